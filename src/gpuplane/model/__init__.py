@@ -1,0 +1,41 @@
+"""The resource model: card catalog, nodes, requests, assignments and the cluster's free capacity.
+
+The lowest layer: it imports nothing else from gpuplane.
+"""
+
+from gpuplane.model.assignment import Assignment, CardShare, RdmaLocality, RdmaShare
+from gpuplane.model.catalog import (
+    MILLI_PER_CARD,
+    CardModel,
+    Catalog,
+    MigProfile,
+    VgpuPackage,
+    default_catalog,
+)
+from gpuplane.model.cluster import Binding, ClusterState, MigInstance, PoolConfig
+from gpuplane.model.errors import (
+    CatalogError,
+    GpuplaneError,
+    NodeSpecError,
+    PlacementError,
+    RequestError,
+)
+from gpuplane.model.node import MigMode, NodeSpec, RdmaNic, Taint, Topology
+from gpuplane.model.request import (
+    Fraction,
+    GpuForm,
+    MigSlice,
+    PodRequest,
+    QoS,
+    Toleration,
+    WholeCards,
+    make_request,
+)
+
+__all__ = [
+    "MILLI_PER_CARD", "Assignment", "Binding", "CardModel", "CardShare", "Catalog", "CatalogError", "ClusterState",
+    "Fraction", "GpuForm", "GpuplaneError", "MigInstance", "MigMode", "MigProfile", "MigSlice", "NodeSpec",
+    "NodeSpecError", "PlacementError", "PodRequest", "PoolConfig", "QoS", "RdmaLocality", "RdmaNic", "RdmaShare",
+    "RequestError", "Taint", "Toleration", "Topology", "VgpuPackage", "WholeCards", "default_catalog",
+    "make_request",
+]

@@ -1,0 +1,459 @@
+"""Cluster state: free capacity of every node and card in dense numpy arrays.
+
+Rows are nodes, columns card indexes (padded to the widest node; padding is `card_valid == False`).
+Scoring and filtering read these arrays vectorised across nodes and cards; `place` and `release`
+touch one node's row, so they cost O(cards of one node).
+
+Invariants, checked by `check_invariants` and by the property tests:
+- no dimension of any node or card is ever below zero or above its capacity;
+- MIG instances on a card never overlap on the memory-slice axis and start on legal slots;
+- a card in MIG mode holds only MIG instances; a card with fractional or whole holders holds none.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuplane.model.assignment import Assignment, CardShare
+from gpuplane.model.catalog import MILLI_PER_CARD, CardModel, Catalog, MigProfile
+from gpuplane.model.errors import NodeSpecError, PlacementError
+from gpuplane.model.node import MigMode, NodeSpec
+from gpuplane.model.request import PodRequest
+
+BoolArray = npt.NDArray[np.bool_]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Per-pool settings. `memory_oversell` > 1 lets dev pools promise more card memory than exists."""
+
+    memory_oversell: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.memory_oversell <= 16.0:
+            raise NodeSpecError(f"memory_oversell must be within 1..16, got {self.memory_oversell}")
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    pod: str
+    profile_id: int
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """A pod placed in the state: its request, node row and assignment."""
+
+    request: PodRequest
+    node: int
+    assignment: Assignment
+
+
+class ClusterState:
+    """Mutable, authoritative-for-its-owner accounting of a cluster's free capacity."""
+
+    def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec],
+                 pools: Mapping[str, PoolConfig] | None = None) -> None:
+        self.catalog = catalog
+        self.pools: dict[str, PoolConfig] = dict(pools or {})
+        self.models: list[CardModel] = list(catalog)
+        self._model_index = {m.name: i for i, m in enumerate(self.models)}
+        self.nodes: list[NodeSpec] = []
+        self.node_index: dict[str, int] = {}
+        self.bindings: dict[str, Binding] = {}
+        self.mig_instances: dict[tuple[int, int], list[MigInstance]] = {}
+        self.workload_cards: dict[str, Counter[tuple[int, int]]] = {}
+        self.nic_free: list[list[int]] = []
+        self._allowed_cache: dict[frozenset[str] | None, BoolArray] = {}
+        self._alloc(0, 0)
+        for spec in nodes:
+            self.add_node(spec)
+
+    # ---------------------------------------------------------------- arrays
+    def _alloc(self, n: int, c: int) -> None:
+        self.width = c
+        self.cpu_cap = np.zeros(n, np.int64)
+        self.cpu_free = np.zeros(n, np.int64)
+        self.mem_cap = np.zeros(n, np.int64)
+        self.mem_free = np.zeros(n, np.int64)
+        self.model_idx = np.full(n, -1, np.int32)
+        self.schedulable = np.zeros(n, np.bool_)
+        self.gpu_milli_cap = np.zeros(n, np.int64)
+        self.gpu_milli_used = np.zeros(n, np.int64)
+        self.idle_cards = np.zeros(n, np.int64)
+        self.rdma_max_free = np.zeros(n, np.int64)
+        self.card_valid = np.zeros((n, c), np.bool_)
+        self.card_milli_free = np.zeros((n, c), np.int64)
+        self.card_mem_phys = np.zeros((n, c), np.int64)
+        self.card_mem_cap = np.zeros((n, c), np.int64)
+        self.card_mem_free = np.zeros((n, c), np.int64)
+        self.card_enc_cap = np.zeros((n, c), np.int64)
+        self.card_enc_free = np.zeros((n, c), np.int64)
+        self.card_dec_cap = np.zeros((n, c), np.int64)
+        self.card_dec_free = np.zeros((n, c), np.int64)
+        self.card_holders = np.zeros((n, c), np.int64)
+        self.card_mig = np.zeros((n, c), np.bool_)
+        self.card_mig_pinned = np.zeros((n, c), np.bool_)
+        self.card_mig_allowed = np.zeros((n, c), np.bool_)
+        self.card_mig_slots = np.zeros((n, c), np.int64)
+        self.card_mig_compute = np.zeros((n, c), np.int64)
+        self.card_mig_me = np.zeros((n, c), np.bool_)
+
+    _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
+                    "gpu_milli_used", "idle_cards", "rdma_max_free")
+    _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
+                    "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
+                    "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me")
+
+    def _grow(self, n: int, c: int) -> None:
+        old_n, old_c = len(self.cpu_cap), self.width
+        if n <= old_n and c <= old_c:
+            return
+        new_n = max(n, old_n * 2 if n > old_n else old_n)
+        new_c = max(c, old_c)
+        for name in self._NODE_ARRAYS:
+            arr = getattr(self, name)
+            grown = np.full(new_n, -1 if name == "model_idx" else 0, arr.dtype)
+            grown[:old_n] = arr
+            setattr(self, name, grown)
+        for name in self._CARD_ARRAYS:
+            arr = getattr(self, name)
+            grown = np.zeros((new_n, new_c), arr.dtype)
+            grown[:old_n, :old_c] = arr
+            setattr(self, name, grown)
+        self.width = new_c
+
+    @property
+    def size(self) -> int:
+        """Number of node rows (node arrays may hold spare capacity beyond it)."""
+        return len(self.nodes)
+
+    def view(self, name: str) -> npt.NDArray[np.generic]:
+        """The live rows of one array, without spare capacity."""
+        arr: npt.NDArray[np.generic] = getattr(self, name)
+        return arr[: self.size]
+
+    # ---------------------------------------------------------------- nodes
+    def model_of(self, node: int) -> CardModel | None:
+        idx = int(self.model_idx[node])
+        return self.models[idx] if idx >= 0 else None
+
+    def add_node(self, spec: NodeSpec) -> int:
+        if spec.name in self.node_index:
+            raise NodeSpecError(f"node {spec.name} added twice")
+        model: CardModel | None = None
+        if spec.gpu_model is not None:
+            model = self.catalog.get(spec.gpu_model)
+            if model.name != spec.gpu_model:
+                spec = spec.with_changes(gpu_model=model.name)
+        n = self.size
+        self._grow(n + 1, spec.gpus)
+        self.nodes.append(spec)
+        self.node_index[spec.name] = n
+        self.nic_free.append([nic.vfs for nic in spec.topology.nics])
+        self.cpu_cap[n] = self.cpu_free[n] = spec.cpu_milli
+        self.mem_cap[n] = self.mem_free[n] = spec.memory_mib
+        self.model_idx[n] = self._model_index[model.name] if model else -1
+        self.gpu_milli_cap[n] = spec.gpus * MILLI_PER_CARD
+        self.gpu_milli_used[n] = 0
+        self.idle_cards[n] = spec.gpus
+        self.rdma_max_free[n] = max(self.nic_free[n], default=0)
+        g = spec.gpus
+        self.card_valid[n, :g] = True
+        self.card_milli_free[n, :g] = MILLI_PER_CARD
+        if model is not None:
+            self.card_mem_phys[n, :g] = model.memory_mib
+            self.card_enc_cap[n, :g] = self.card_enc_free[n, :g] = model.encoders
+            self.card_dec_cap[n, :g] = self.card_dec_free[n, :g] = model.decoders
+            mig_ok = model.mig_capable and spec.mig_mode is not MigMode.OFF
+            self.card_mig_allowed[n, :g] = mig_ok
+            pinned = model.mig_capable and spec.mig_mode is MigMode.ON
+            self.card_mig_pinned[n, :g] = pinned
+            self.card_mig[n, :g] = pinned
+            if pinned:
+                self.idle_cards[n] = 0
+        self._set_pool(n, spec.pool)
+        self.schedulable[n] = spec.schedulable
+        return n
+
+    def _set_pool(self, n: int, pool: str) -> None:
+        ratio = self.pools.get(pool, PoolConfig()).memory_oversell
+        g = self.nodes[n].gpus
+        new_cap = (self.card_mem_phys[n, :g] * ratio).astype(np.int64)
+        self.card_mem_free[n, :g] += new_cap - self.card_mem_cap[n, :g]
+        self.card_mem_cap[n, :g] = new_cap
+
+    def update_node(self, spec: NodeSpec) -> None:
+        """Apply a change of labels, taints, pool or schedulability. Capacity changes are not allowed."""
+        n = self.node_index[spec.name]
+        old = self.nodes[n]
+        if (spec.gpus, spec.cpu_milli, spec.memory_mib) != (old.gpus, old.cpu_milli, old.memory_mib):
+            raise NodeSpecError(f"node {spec.name}: capacity changes need the node removed and added again")
+        self.nodes[n] = spec.with_changes(gpu_model=old.gpu_model)
+        if spec.pool != old.pool:
+            self._set_pool(n, spec.pool)
+        self.schedulable[n] = spec.schedulable
+
+    def pools_mask(self, pools: frozenset[str]) -> BoolArray:
+        return np.fromiter((spec.pool in pools for spec in self.nodes), np.bool_, self.size)
+
+    def taint_mask(self, request: PodRequest) -> BoolArray | None:
+        """Nodes whose NoSchedule taints the pod tolerates; None when no node is tainted."""
+        tainted = [i for i, spec in enumerate(self.nodes) if spec.taints]
+        if not tainted:
+            return None
+        mask = np.ones(self.size, np.bool_)
+        for i in tainted:
+            mask[i] = all(request.tolerates(t.key, t.value) for t in self.nodes[i].taints
+                          if t.effect in ("NoSchedule", "NoExecute"))
+        return mask
+
+    def model_allowed(self, models: frozenset[str] | None) -> BoolArray:
+        """Per catalog model index: whether the request allows it (cached per model set)."""
+        table = self._allowed_cache.get(models)
+        if table is None:
+            table = np.array([models is None or m.name in models for m in self.models] + [False], np.bool_)
+            self._allowed_cache[models] = table
+        return table
+
+    # ---------------------------------------------------------------- placement
+    def check(self, assignment: Assignment, request: PodRequest) -> str | None:
+        """Why `assignment` cannot be applied now, or None if it fits."""
+        n = self.node_index.get(assignment.node)
+        if n is None:
+            return f"node {assignment.node} does not exist"
+        if request.name in self.bindings:
+            return f"pod {request.name} is already placed"
+        if self.cpu_free[n] < request.cpu_milli:
+            return "insufficient cpu"
+        if self.mem_free[n] < request.memory_mib:
+            return "insufficient memory"
+        spec = self.nodes[n]
+        model = self.model_of(n)
+        seen: set[int] = set()
+        for share in assignment.cards:
+            c = share.card
+            if not 0 <= c < spec.gpus or c in seen:
+                return f"card {c} does not exist on {spec.name} or is named twice"
+            seen.add(c)
+            if request.models is not None and (model is None or model.name not in request.models):
+                return "GPU model mismatch"
+            if share.mig_profile is not None:
+                reason = self._check_mig(n, c, share, model)
+                if reason:
+                    return reason
+                continue
+            if self.card_mig[n, c]:
+                return f"card {c} is in MIG mode"
+            if share.whole and self.card_holders[n, c]:
+                return f"card {c} is not idle"
+            if (self.card_milli_free[n, c] < share.compute_milli or self.card_mem_free[n, c] < share.memory_mib
+                    or self.card_enc_free[n, c] < share.encoders or self.card_dec_free[n, c] < share.decoders):
+                return f"card {c} lacks capacity"
+        if assignment.rdma is not None:
+            nics = self.nic_free[n]
+            if not 0 <= assignment.rdma.nic < len(nics) or nics[assignment.rdma.nic] < assignment.rdma.vfs:
+                return "insufficient RDMA virtual functions"
+        return None
+
+    def _check_mig(self, n: int, c: int, share: CardShare, model: CardModel | None) -> str | None:
+        profile = model.mig_profile(share.mig_profile) if model and share.mig_profile is not None else None
+        if model is None or profile is None or share.mig_start is None:
+            return f"card {c} has no MIG profile {share.mig_profile}"
+        if not self.card_mig_allowed[n, c]:
+            return f"card {c} does not take MIG instances"
+        if not self.card_mig[n, c] and self.card_holders[n, c]:
+            return f"card {c} has non-MIG holders"
+        if share.mig_start not in profile.starts:
+            return f"start {share.mig_start} is not legal for profile {profile.name}"
+        if int(self.card_mig_slots[n, c]) & profile.slot_mask(share.mig_start):
+            return f"memory slices of card {c} overlap"
+        if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
+            return f"card {c} lacks compute slices"
+        count = sum(1 for inst in self.mig_instances.get((n, c), ()) if inst.profile_id == profile.profile_id)
+        if count >= profile.max_count:
+            return f"card {c} already has {count} of profile {profile.name}"
+        return None
+
+    def place(self, request: PodRequest, assignment: Assignment) -> Binding:
+        """Apply an assignment. Raises PlacementError when it does not fit (stale decision or bug)."""
+        reason = self.check(assignment, request)
+        if reason is not None:
+            raise PlacementError(f"cannot place {request.name} on {assignment.node}: {reason}")
+        n = self.node_index[assignment.node]
+        self.cpu_free[n] -= request.cpu_milli
+        self.mem_free[n] -= request.memory_mib
+        workload = request.workload
+        for share in assignment.cards:
+            c = share.card
+            if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
+                self.idle_cards[n] -= 1
+            self.card_holders[n, c] += 1
+            self.card_milli_free[n, c] -= share.compute_milli
+            self.card_mem_free[n, c] -= share.memory_mib
+            self.card_enc_free[n, c] -= share.encoders
+            self.card_dec_free[n, c] -= share.decoders
+            self.gpu_milli_used[n] += share.compute_milli
+            if share.mig_profile is not None and share.mig_start is not None:
+                self._place_mig(n, c, request.name, share.mig_profile, share.mig_start)
+            if workload is not None:
+                self.workload_cards.setdefault(workload, Counter())[(n, c)] += 1
+        if assignment.rdma is not None:
+            self.nic_free[n][assignment.rdma.nic] -= assignment.rdma.vfs
+            self.rdma_max_free[n] = max(self.nic_free[n])
+        binding = Binding(request, n, assignment)
+        self.bindings[request.name] = binding
+        return binding
+
+    def _place_mig(self, n: int, c: int, pod: str, profile_id: int, start: int) -> None:
+        model = self.models[int(self.model_idx[n])]
+        profile = model.mig_profiles[profile_id]
+        self.card_mig[n, c] = True
+        self.card_mig_slots[n, c] |= profile.slot_mask(start)
+        self.card_mig_compute[n, c] += profile.compute_slices
+        if profile.media_extensions:
+            self.card_mig_me[n, c] = True
+        self.mig_instances.setdefault((n, c), []).append(MigInstance(pod, profile_id, start))
+
+    def release(self, pod: str) -> Binding:
+        """Undo a placement exactly. Raises KeyError for a pod that is not placed."""
+        binding = self.bindings.pop(pod)
+        n, assignment, request = binding.node, binding.assignment, binding.request
+        self.cpu_free[n] += request.cpu_milli
+        self.mem_free[n] += request.memory_mib
+        for share in assignment.cards:
+            c = share.card
+            self.card_holders[n, c] -= 1
+            self.card_milli_free[n, c] += share.compute_milli
+            self.card_mem_free[n, c] += share.memory_mib
+            self.card_enc_free[n, c] += share.encoders
+            self.card_dec_free[n, c] += share.decoders
+            self.gpu_milli_used[n] -= share.compute_milli
+            if share.mig_profile is not None and share.mig_start is not None:
+                self._release_mig(n, c, pod, share.mig_profile, share.mig_start)
+            if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
+                self.idle_cards[n] += 1
+            if request.workload is not None:
+                counts = self.workload_cards[request.workload]
+                counts[(n, c)] -= 1
+                if counts[(n, c)] <= 0:
+                    del counts[(n, c)]
+                if not counts:
+                    del self.workload_cards[request.workload]
+        if assignment.rdma is not None:
+            self.nic_free[n][assignment.rdma.nic] += assignment.rdma.vfs
+            self.rdma_max_free[n] = max(self.nic_free[n])
+        return binding
+
+    def _release_mig(self, n: int, c: int, pod: str, profile_id: int, start: int) -> None:
+        model = self.models[int(self.model_idx[n])]
+        profile = model.mig_profiles[profile_id]
+        self.card_mig_slots[n, c] &= ~profile.slot_mask(start)
+        self.card_mig_compute[n, c] -= profile.compute_slices
+        instances = self.mig_instances[(n, c)]
+        instances.remove(MigInstance(pod, profile_id, start))
+        if profile.media_extensions:
+            self.card_mig_me[n, c] = False
+        if not instances:
+            del self.mig_instances[(n, c)]
+            if not self.card_mig_pinned[n, c]:
+                self.card_mig[n, c] = False
+
+    # ---------------------------------------------------------------- queries
+    def mig_fits(self, n: int, c: int, profile: MigProfile) -> list[int]:
+        """Legal free starts for `profile` on card (n, c), honouring the profile's count limit."""
+        model = self.model_of(n)
+        if model is None or not self.card_mig_allowed[n, c]:
+            return []
+        if not self.card_mig[n, c] and self.card_holders[n, c]:
+            return []
+        if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
+            return []
+        instances = self.mig_instances.get((n, c), ())
+        if sum(1 for inst in instances if inst.profile_id == profile.profile_id) >= profile.max_count:
+            return []
+        occupied = int(self.card_mig_slots[n, c])
+        return [s for s in profile.starts if not occupied & profile.slot_mask(s)]
+
+    def copy(self) -> ClusterState:
+        """An independent copy, for what-if evaluation (preemption, gang trial placement)."""
+        clone = object.__new__(ClusterState)
+        clone.__dict__.update(self.__dict__)
+        for name in (*self._NODE_ARRAYS, *self._CARD_ARRAYS):
+            setattr(clone, name, getattr(self, name).copy())
+        clone.nodes = list(self.nodes)
+        clone.node_index = dict(self.node_index)
+        clone.bindings = dict(self.bindings)
+        clone.mig_instances = {k: list(v) for k, v in self.mig_instances.items()}
+        clone.workload_cards = {k: Counter(v) for k, v in self.workload_cards.items()}
+        clone.nic_free = [list(v) for v in self.nic_free]
+        clone._allowed_cache = dict(self._allowed_cache)
+        return clone
+
+    def fingerprint(self) -> tuple[bytes, ...]:
+        """Bytes of every live array: equal fingerprints mean equal accounting."""
+        n = self.size
+        return tuple(getattr(self, name)[:n].tobytes() for name in (*self._NODE_ARRAYS, *self._CARD_ARRAYS))
+
+    def total_gpu_milli(self) -> int:
+        return int(self.gpu_milli_cap[: self.size].sum())
+
+    def used_gpu_milli(self) -> int:
+        return int(self.gpu_milli_used[: self.size].sum())
+
+    def card_used_milli(self) -> IntArray:
+        """Used milli of every real card, flattened (padding dropped)."""
+        n = self.size
+        used: IntArray = (MILLI_PER_CARD - self.card_milli_free[:n])[self.card_valid[:n]]
+        return used
+
+    def check_invariants(self) -> list[str]:
+        """Every violated invariant, as text (empty when the state is sound)."""
+        n = self.size
+        problems: list[str] = []
+        valid = self.card_valid[:n]
+        pairs: Iterable[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.int64]]] = (
+            ("cpu", self.cpu_free[:n], self.cpu_cap[:n]),
+            ("memory", self.mem_free[:n], self.mem_cap[:n]),
+        )
+        for label, free, cap in pairs:
+            if (free < 0).any() or (free > cap).any():
+                problems.append(f"node {label} out of range")
+        card_pairs = (
+            ("gpu compute", self.card_milli_free, np.where(valid, MILLI_PER_CARD, 0)),
+            ("gpu memory", self.card_mem_free, self.card_mem_cap),
+            ("encoders", self.card_enc_free, self.card_enc_cap),
+            ("decoders", self.card_dec_free, self.card_dec_cap),
+        )
+        for label, free2, cap2 in card_pairs:
+            f, c = free2[:n], cap2[:n]
+            if (f < 0).any() or (f > c).any():
+                problems.append(f"card {label} out of range")
+        for (node, card), instances in self.mig_instances.items():
+            model = self.models[int(self.model_idx[node])]
+            mask = 0
+            for inst in instances:
+                profile = model.mig_profiles[inst.profile_id]
+                if inst.start not in profile.starts:
+                    problems.append(f"card {node}/{card}: illegal start {inst.start}")
+                bits = profile.slot_mask(inst.start)
+                if mask & bits:
+                    problems.append(f"card {node}/{card}: MIG instances overlap")
+                mask |= bits
+            if not self.card_mig[node, card]:
+                problems.append(f"card {node}/{card}: MIG instances on a card not in MIG mode")
+        for binding in self.bindings.values():
+            for share in binding.assignment.cards:
+                if (share.mig_profile is None) == bool(self.card_mig[binding.node, share.card]):
+                    problems.append(f"card {binding.node}/{share.card}: MIG and non-MIG holders mixed")
+        idle = ((self.card_holders[:n] == 0) & valid & ~self.card_mig[:n]).sum(axis=1)
+        if not np.array_equal(idle, self.idle_cards[:n]):
+            problems.append("idle card counts out of sync")
+        return problems

@@ -1,0 +1,188 @@
+"""Pod requests: CPU, memory and one GPU form, validated at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from gpuplane.model.catalog import MILLI_PER_CARD, Catalog
+from gpuplane.model.errors import CatalogError, RequestError
+
+
+class QoS(enum.Enum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+    BEST_EFFORT = "best-effort"
+
+    @classmethod
+    def from_trace(cls, value: str) -> QoS:
+        """Map the trace's Kubernetes-style classes: LS/Guaranteed → online, Burstable → offline, BE."""
+        mapping = {"LS": cls.ONLINE, "GUARANTEED": cls.ONLINE, "BURSTABLE": cls.OFFLINE, "BE": cls.BEST_EFFORT}
+        try:
+            return mapping[value.strip().upper()]
+        except KeyError:
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                raise RequestError("qos", f"unknown QoS class {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class WholeCards:
+    """`count` whole cards, exclusively."""
+
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise RequestError("gpu.count", f"must be at least 1, got {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
+class Fraction:
+    """A share of one card (vGPU): compute in milli-cards and/or memory in MiB or percent, plus codec units.
+
+    `memory_pct` (1..100) is resolved against the chosen card's memory; it excludes `memory_mib`.
+    """
+
+    compute_milli: int = 0
+    memory_mib: int = 0
+    memory_pct: int = 0
+    encoders: int = 0
+    decoders: int = 0
+    package: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("compute_milli", "memory_mib", "memory_pct", "encoders", "decoders"):
+            if getattr(self, name) < 0:
+                raise RequestError(f"gpu.{name}", f"must not be negative, got {getattr(self, name)}")
+        if self.compute_milli > MILLI_PER_CARD:
+            raise RequestError("gpu.compute_milli", f"a fraction holds at most {MILLI_PER_CARD}, "
+                                                    f"got {self.compute_milli}; ask for whole cards instead")
+        if self.memory_pct > 100:
+            raise RequestError("gpu.memory_pct", f"must be at most 100, got {self.memory_pct}")
+        if self.memory_pct and self.memory_mib:
+            raise RequestError("gpu.memory_pct", "give memory in MiB or in percent, not both")
+        if not (self.compute_milli or self.memory_mib or self.memory_pct or self.encoders or self.decoders):
+            raise RequestError("gpu", "a fractional request needs compute, memory or codec units")
+
+    def memory_on(self, card_memory_mib: int) -> int:
+        """Memory this fraction takes on a card with `card_memory_mib` of memory."""
+        if self.memory_pct:
+            return card_memory_mib * self.memory_pct // 100
+        return self.memory_mib
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlice:
+    """One MIG GPU instance, by profile ID (e.g. 9) or driver name (e.g. `3g.40gb`)."""
+
+    profile: int | str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.profile, int) and self.profile < 0:
+            raise RequestError("gpu.profile", f"must not be negative, got {self.profile}")
+
+
+GpuForm = WholeCards | Fraction | MigSlice
+
+
+@dataclass(frozen=True, slots=True)
+class Toleration:
+    key: str
+    value: str | None = None
+    """None tolerates every value of the key (operator Exists)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodRequest:
+    """What a pod asks for. Construct through `make_request` to get catalog checks too."""
+
+    name: str
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    gpu: GpuForm | None = None
+    models: frozenset[str] | None = None
+    """Allowed GPU models (canonical names); None allows every model."""
+    priority: int = 0
+    qos: QoS = QoS.ONLINE
+    workload: str | None = None
+    instance: int | None = None
+    """Index of this pod within its workload (custom-topo rules may name it)."""
+    gang: str | None = None
+    rdma_vfs: int = 0
+    pools: frozenset[str] | None = None
+    """Node pools the pod may run in; None allows every pool."""
+    tolerations: tuple[Toleration, ...] = ()
+    labels: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise RequestError("name", "must not be empty")
+        for name in ("cpu_milli", "memory_mib", "rdma_vfs"):
+            if getattr(self, name) < 0:
+                raise RequestError(name, f"must not be negative, got {getattr(self, name)}")
+        if self.instance is not None and self.instance < 0:
+            raise RequestError("instance", f"must not be negative, got {self.instance}")
+        if self.models is not None and not self.models:
+            raise RequestError("models", "an empty set of allowed models can never be satisfied")
+
+    @property
+    def gpu_milli_total(self) -> int:
+        """GPU demand in milli-cards, as the trace counts it (MIG counts its compute share at placement)."""
+        gpu = self.gpu
+        if isinstance(gpu, WholeCards):
+            return gpu.count * MILLI_PER_CARD
+        if isinstance(gpu, Fraction):
+            return gpu.compute_milli
+        return 0
+
+    def tolerates(self, key: str, value: str) -> bool:
+        return any(t.key == key and (t.value is None or t.value == value) for t in self.tolerations)
+
+
+def make_request(catalog: Catalog, name: str, *, cpu_milli: int = 0, memory_mib: int = 0,
+                 gpu: GpuForm | None = None, models: frozenset[str] | set[str] | None = None,
+                 package: tuple[str, str] | None = None, **kwargs: object) -> PodRequest:
+    """Build a request and check it against the catalog.
+
+    `package=(model, name)` asks for a named vGPU package, e.g. `("A30", "half")`, and pins the model.
+    Rejects: a fraction of more memory than any allowed card has, a MIG profile an allowed model lacks,
+    unknown models.
+    """
+    if package is not None:
+        if gpu is not None:
+            raise RequestError("package", "give a package or a GPU form, not both")
+        try:
+            card = catalog.get(package[0])
+            pkg = catalog.package(package[0], package[1])
+        except CatalogError as exc:
+            raise RequestError("package", str(exc)) from None
+        gpu = Fraction(compute_milli=pkg.compute_milli, memory_mib=pkg.memory_mib,
+                       package=f"{card.name}/{pkg.name}")
+        models = {card.name}
+    canonical: frozenset[str] | None = None
+    if models is not None:
+        try:
+            canonical = frozenset(catalog.canonical(m) for m in models)
+        except CatalogError as exc:
+            raise RequestError("models", str(exc)) from None
+    candidates = [catalog.get(m) for m in canonical] if canonical is not None else list(catalog)
+    if isinstance(gpu, Fraction) and gpu.memory_mib:
+        largest = max(c.memory_mib for c in candidates)
+        if gpu.memory_mib > largest:
+            raise RequestError("gpu.memory_mib", f"{gpu.memory_mib} MiB exceeds the largest allowed card "
+                                                 f"({largest} MiB)")
+    if isinstance(gpu, MigSlice):
+        having = [c for c in candidates if c.mig_profile(gpu.profile) is not None]
+        if canonical is not None:
+            lacking = sorted(c.name for c in candidates if c.mig_profile(gpu.profile) is None)
+            if lacking:
+                raise RequestError("gpu.profile", f"MIG profile {gpu.profile!r} does not exist on "
+                                                  f"{', '.join(lacking)}")
+        elif not having:
+            raise RequestError("gpu.profile", f"no card model has MIG profile {gpu.profile!r}")
+        else:
+            canonical = frozenset(c.name for c in having)
+    return PodRequest(name, cpu_milli=cpu_milli, memory_mib=memory_mib, gpu=gpu, models=canonical,
+                      **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,19 @@
+"""The cluster port and the clock: the interfaces through which the brain acts on a world."""
+
+from gpuplane.port.clock import Clock, Timer, WallClock
+from gpuplane.port.cluster import (
+    ClusterEvent,
+    ClusterPort,
+    EventKind,
+    Handler,
+    NodeInfo,
+    PodInfo,
+    PodPhase,
+    Unsubscribe,
+)
+from gpuplane.port.status import Code, Status, aggregate_reasons
+
+__all__ = [
+    "Clock", "ClusterEvent", "ClusterPort", "Code", "EventKind", "Handler", "NodeInfo", "PodInfo", "PodPhase",
+    "Status", "Timer", "Unsubscribe", "WallClock", "aggregate_reasons",
+]

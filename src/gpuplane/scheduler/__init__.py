@@ -1,0 +1,31 @@
+"""The scheduling core: framework, plugins, registry, queue and the scheduler that binds through the port."""
+
+from gpuplane.scheduler.framework import (
+    CARD_OK,
+    CardCheck,
+    CardPick,
+    CardPicker,
+    CycleState,
+    Decision,
+    Diagnosis,
+    FilterPlugin,
+    Framework,
+    NodeCheck,
+    Profile,
+    ScorePlugin,
+    StateKey,
+    WeightedScore,
+)
+from gpuplane.scheduler.plugins.allocation import ResourceWeights
+from gpuplane.scheduler.plugins.cards import CardOnlyOneScope, CardOrder
+from gpuplane.scheduler.plugins.topo import TopoConfig, TopoConfigError, TopoRule, load_topo_config
+from gpuplane.scheduler.queue import SchedulingQueue
+from gpuplane.scheduler.registry import PolicyConfig, PolicyError, Registry, default_registry
+from gpuplane.scheduler.scheduler import Outcome, Scheduler
+
+__all__ = [
+    "CARD_OK", "CardCheck", "CardOnlyOneScope", "CardOrder", "CardPick", "CardPicker", "CycleState", "Decision",
+    "Diagnosis", "FilterPlugin", "Framework", "NodeCheck", "Outcome", "PolicyConfig", "PolicyError", "Profile",
+    "Registry", "ResourceWeights", "Scheduler", "SchedulingQueue", "ScorePlugin", "StateKey", "TopoConfig",
+    "TopoConfigError", "TopoRule", "WeightedScore", "default_registry", "load_topo_config",
+]

@@ -1,0 +1,268 @@
+"""The scheduling framework: filter → score → pick card(s) → reserve, run over a `ClusterState`.
+
+Modelled on the Kubernetes scheduling framework, vectorised: a filter plugin yields checks that each
+pass or fail a whole array of nodes (`NodeCheck`) or of cards (`CardCheck`), so one cycle costs a few
+numpy operations however many nodes there are. Every rejected node keeps the reason of the first check
+it failed. Binding is not part of the framework: the `Scheduler` does it through the cluster port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuplane.model import (
+    Assignment,
+    CardShare,
+    ClusterState,
+    PodRequest,
+    RdmaShare,
+    WholeCards,
+)
+from gpuplane.port import Status, aggregate_reasons
+
+T = TypeVar("T")
+BoolArray = npt.NDArray[np.bool_]
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+class StateKey(Generic[T]):
+    """A typed key into `CycleState`: reads need no casts."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name})"
+
+
+class CycleState:
+    """Per-cycle scratch space shared by the plugins: written once (pre-filter), read many times."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self) -> None:
+        self._data: dict[StateKey[Any], Any] = {}
+
+    def write(self, key: StateKey[T], value: T) -> None:
+        self._data[key] = value
+
+    def read(self, key: StateKey[T]) -> T:
+        value: T = self._data[key]
+        return value
+
+    def get(self, key: StateKey[T], default: T) -> T:
+        value: T = self._data.get(key, default)
+        return value
+
+
+CARD_OK: StateKey[BoolArray] = StateKey("framework/card-ok")
+"""Cards (nodes × card slots) that every card check so far has passed."""
+
+
+class NodeCheck(NamedTuple):
+    reason: str
+    passed: BoolArray
+    resolvable: bool = True
+    """False when preemption cannot help (wrong model, a topology rule)."""
+
+
+class CardCheck(NamedTuple):
+    reason: str
+    passed: BoolArray
+    resolvable: bool = True
+
+
+Check = NodeCheck | CardCheck
+
+
+@runtime_checkable
+class FilterPlugin(Protocol):
+    name: str
+
+    def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
+        """Yield checks in order; the framework stops asking a node once it failed one.
+
+        A plugin may read `CARD_OK` to see which cards earlier checks left.
+        """
+        ...
+
+
+@runtime_checkable
+class ScorePlugin(Protocol):
+    name: str
+
+    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
+        """Scores in 0…100 for the feasible `nodes`; higher is better. Must not change `state`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CardPick:
+    cards: tuple[CardShare, ...]
+    rdma: RdmaShare | None = None
+
+
+@runtime_checkable
+class CardPicker(Protocol):
+    name: str
+
+    def pick(self, cycle: CycleState, pod: PodRequest, state: ClusterState, node: int,
+             eligible: BoolArray) -> CardPick | None:
+        """Choose the cards on `node` among `eligible` (one flag per card slot). None if nothing fits."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScore:
+    plugin: ScorePlugin
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One scheduler configuration: the filters in order, weighted scores and the card picker."""
+
+    name: str
+    filters: tuple[FilterPlugin, ...]
+    scores: tuple[WeightedScore, ...]
+    picker: CardPicker
+
+
+@dataclass(slots=True)
+class Diagnosis:
+    """Why nodes were rejected: `reason_of[i]` indexes `reasons` (-1: node was feasible)."""
+
+    reasons: list[str]
+    reason_of: IntArray
+    unresolvable: set[int] = field(default_factory=set)
+
+    def node_reason(self, node: int) -> str | None:
+        idx = int(self.reason_of[node])
+        return self.reasons[idx] if idx >= 0 else None
+
+    def counts(self) -> dict[str, int]:
+        """Nodes rejected per reason."""
+        rejected = self.reason_of[self.reason_of >= 0]
+        if not len(rejected):
+            return {}
+        counts = np.bincount(rejected, minlength=len(self.reasons))
+        return {self.reasons[i]: int(c) for i, c in enumerate(counts) if c}
+
+    def dominant(self) -> str:
+        """The reason that rejected the most nodes (ties: the earlier check)."""
+        counts = self.counts()
+        return max(counts, key=lambda r: (counts[r], -self.reasons.index(r))) if counts else "no nodes"
+
+    def message(self) -> str:
+        return aggregate_reasons(len(self.reason_of), self.counts())
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    status: Status
+    assignment: Assignment | None = None
+    node: int = -1
+    diagnosis: Diagnosis | None = None
+
+
+class Framework:
+    """Runs one profile's plugins. Pure with respect to the state except for `rng` draws."""
+
+    def __init__(self, profile: Profile, rng: np.random.Generator) -> None:
+        self.profile = profile
+        self.rng = rng
+
+    def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState,
+                   *, diagnose: bool = True) -> tuple[BoolArray, Diagnosis | None]:
+        """Run every filter. Returns the feasible-node mask and, if asked, why the others failed."""
+        n = state.size
+        alive = np.ones(n, np.bool_)
+        card_ok = state.card_valid[:n].copy()
+        cycle.write(CARD_OK, card_ok)
+        reasons: list[str] = []
+        reason_of = np.full(n, -1, np.int64) if diagnose else None
+        unresolvable: set[int] = set()
+        gpu = pod.gpu
+        need = gpu.count if isinstance(gpu, WholeCards) else 1
+        for plugin in self.profile.filters:
+            for check in plugin.checks(cycle, pod, state):
+                if isinstance(check, CardCheck):
+                    if gpu is None:
+                        continue
+                    np.logical_and(card_ok, check.passed, out=card_ok)
+                    fits = card_ok.sum(axis=1) >= need if need > 1 else card_ok.any(axis=1)
+                    failed = alive & ~fits
+                else:
+                    failed = alive & ~check.passed
+                if reason_of is not None and failed.any():
+                    if check.reason not in reasons:
+                        reasons.append(check.reason)
+                    idx = reasons.index(check.reason)
+                    reason_of[failed] = idx
+                    if not check.resolvable:
+                        unresolvable.add(idx)
+                alive &= ~failed
+                if not alive.any():
+                    break
+            if not alive.any():
+                break
+        diagnosis = Diagnosis(reasons, reason_of, unresolvable) if reason_of is not None else None
+        return alive, diagnosis
+
+    def score_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
+        total = np.zeros(len(nodes), np.float64)
+        for weighted in self.profile.scores:
+            total += weighted.weight * weighted.plugin.score(cycle, pod, state, nodes)
+        return total
+
+    def select(self, nodes: IntArray, scores: FloatArray) -> int:
+        """The highest-scoring node; ties broken by the seeded RNG."""
+        best = scores.max()
+        top = nodes[scores >= best - 1e-9]
+        if len(top) == 1:
+            return int(top[0])
+        return int(top[self.rng.integers(len(top))])
+
+    def schedule(self, pod: PodRequest, state: ClusterState) -> Decision:
+        """Decide where `pod` goes. Does not change `state`; the caller reserves and binds."""
+        cycle = CycleState()
+        alive, diagnosis = self.find_nodes(cycle, pod, state)
+        card_ok = cycle.read(CARD_OK)
+        candidates = np.flatnonzero(alive)
+        while len(candidates):
+            scores = self.score_nodes(cycle, pod, state, candidates)
+            node = self.select(candidates, scores)
+            pick = self.profile.picker.pick(cycle, pod, state, node, card_ok[node])
+            if pick is not None:
+                assignment = Assignment(state.nodes[node].name, pick.cards, pick.rdma,
+                                        oversubscribed=_oversubscribed(state, node, pick.cards))
+                return Decision(Status.success(), assignment, node)
+            # The filters promised a fit the picker could not honour: reject the node, try the next.
+            if diagnosis is not None:
+                reason = f"no card combination satisfies {self.profile.picker.name}"
+                if reason not in diagnosis.reasons:
+                    diagnosis.reasons.append(reason)
+                diagnosis.reason_of[node] = diagnosis.reasons.index(reason)
+            candidates = candidates[candidates != node]
+        assert diagnosis is not None
+        resolvable = not diagnosis.unresolvable or any(
+            int(i) not in diagnosis.unresolvable for i in np.unique(diagnosis.reason_of) if i >= 0)
+        return Decision(Status.unschedulable(diagnosis.message(), resolvable=resolvable), diagnosis=diagnosis)
+
+
+def _oversubscribed(state: ClusterState, node: int, cards: Sequence[CardShare]) -> bool:
+    for share in cards:
+        if share.whole:
+            continue
+        used = state.card_mem_cap[node, share.card] - state.card_mem_free[node, share.card] + share.memory_mib
+        if used > state.card_mem_phys[node, share.card]:
+            return True
+    return False

@@ -1,0 +1,1 @@
+"""Built-in scheduler plugins: fit filters, node policies, card policies, custom topology."""

@@ -1,0 +1,109 @@
+"""Fit filters: node resources (`NodeFit`) and card resources (`GpuFit`), vectorised over the cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from gpuplane.model import ClusterState, Fraction, MigSlice, PodRequest, WholeCards
+from gpuplane.scheduler.framework import CardCheck, Check, CycleState, NodeCheck
+
+# Reason strings are constants so that messages aggregate and tests can name them.
+UNSCHEDULABLE_NODE = "node(s) were unschedulable"
+POOL_MISMATCH = "node(s) in another pool"
+UNTOLERATED_TAINT = "node(s) had untolerated taints"
+NO_GPU = "node(s) have no GPU"
+MODEL_MISMATCH = "GPU model mismatch"
+INSUFFICIENT_CPU = "insufficient cpu"
+INSUFFICIENT_MEMORY = "insufficient memory"
+INSUFFICIENT_RDMA = "insufficient RDMA virtual functions"
+INSUFFICIENT_IDLE_GPUS = "insufficient idle GPUs"
+CARDS_IN_MIG_MODE = "cards in MIG mode"
+INSUFFICIENT_GPU_COMPUTE = "insufficient GPU compute"
+INSUFFICIENT_GPU_MEMORY = "insufficient GPU memory"
+INSUFFICIENT_CODECS = "insufficient GPU encoders/decoders"
+NO_MIG_PROFILE = "MIG profile not offered by the node's GPU model"
+NO_MIG_CARD = "no card free for MIG"
+NO_MIG_SLOT = "no free MIG slot for the profile"
+
+
+class NodeFit:
+    """Node-level predicates: schedulable, pool, taints, GPU model, CPU, memory, RDMA."""
+
+    name = "NodeFit"
+
+    def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
+        n = state.size
+        yield NodeCheck(UNSCHEDULABLE_NODE, state.schedulable[:n])
+        if pod.pools is not None:
+            yield NodeCheck(POOL_MISMATCH, state.pools_mask(pod.pools), resolvable=False)
+        tolerated = state.taint_mask(pod)
+        if tolerated is not None:
+            yield NodeCheck(UNTOLERATED_TAINT, tolerated, resolvable=False)
+        if pod.gpu is not None:
+            model_idx = state.model_idx[:n]
+            yield NodeCheck(NO_GPU, model_idx >= 0, resolvable=False)
+            if pod.models is not None:
+                yield NodeCheck(MODEL_MISMATCH, state.model_allowed(pod.models)[model_idx], resolvable=False)
+        if pod.cpu_milli:
+            yield NodeCheck(INSUFFICIENT_CPU, state.cpu_free[:n] >= pod.cpu_milli)
+        if pod.memory_mib:
+            yield NodeCheck(INSUFFICIENT_MEMORY, state.mem_free[:n] >= pod.memory_mib)
+        if pod.rdma_vfs:
+            yield NodeCheck(INSUFFICIENT_RDMA, state.rdma_max_free[:n] >= pod.rdma_vfs)
+
+
+class GpuFit:
+    """Card-level predicates for the pod's GPU form (whole cards, a fraction or a MIG slice)."""
+
+    name = "GpuFit"
+
+    def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
+        n = state.size
+        gpu = pod.gpu
+        if isinstance(gpu, WholeCards):
+            idle = (state.card_holders[:n] == 0) & ~state.card_mig[:n]
+            yield CardCheck(INSUFFICIENT_IDLE_GPUS, idle)
+        elif isinstance(gpu, Fraction):
+            yield CardCheck(CARDS_IN_MIG_MODE, ~state.card_mig[:n])
+            if gpu.compute_milli:
+                yield CardCheck(INSUFFICIENT_GPU_COMPUTE, state.card_milli_free[:n] >= gpu.compute_milli)
+            if gpu.memory_mib:
+                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.card_mem_free[:n] >= gpu.memory_mib)
+            elif gpu.memory_pct:
+                need = state.card_mem_phys[:n] * gpu.memory_pct // 100
+                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.card_mem_free[:n] >= need)
+            if gpu.encoders or gpu.decoders:
+                yield CardCheck(INSUFFICIENT_CODECS, (state.card_enc_free[:n] >= gpu.encoders)
+                                & (state.card_dec_free[:n] >= gpu.decoders))
+        elif isinstance(gpu, MigSlice):
+            yield from self._mig_checks(gpu, state)
+
+    @staticmethod
+    def _mig_checks(gpu: MigSlice, state: ClusterState) -> Iterator[Check]:
+        n = state.size
+        model_idx = state.model_idx[:n]
+        offered = np.zeros(n, np.bool_)
+        slot_ok = np.zeros((n, state.width), np.bool_)
+        slots = state.card_mig_slots[:n]
+        compute = state.card_mig_compute[:n]
+        for index, model in enumerate(state.models):
+            profile = model.mig_profile(gpu.profile)
+            if profile is None:
+                continue
+            rows = model_idx == index
+            if not rows.any():
+                continue
+            offered |= rows
+            room = (compute[rows] + profile.compute_slices <= model.compute_slices)
+            if profile.media_extensions:
+                room &= ~state.card_mig_me[:n][rows]
+            free_start = np.zeros_like(room)
+            for start in profile.starts:
+                free_start |= (slots[rows] & profile.slot_mask(start)) == 0
+            slot_ok[rows] = room & free_start
+        yield NodeCheck(NO_MIG_PROFILE, offered, resolvable=False)
+        usable = state.card_mig_allowed[:n] & (state.card_mig[:n] | (state.card_holders[:n] == 0))
+        yield CardCheck(NO_MIG_CARD, usable)
+        yield CardCheck(NO_MIG_SLOT, slot_ok)

@@ -1,0 +1,109 @@
+"""The scheduler: a cache of the cluster fed by the port's watch, the framework, and bind through the port.
+
+Like kube-scheduler it *assumes* a pod in its cache before binding and forgets it when the bind fails,
+so the next decision already sees the capacity as taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuplane.model import Catalog, ClusterState, PodRequest, PoolConfig
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodPhase, Status
+from gpuplane.scheduler.framework import Decision, Framework, Profile
+from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One scheduling attempt, as the driver of a replay records it."""
+
+    request: PodRequest
+    decision: Decision
+    attempt: int
+    waited: float
+
+
+class Scheduler:
+    def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int,
+                 pools: Mapping[str, PoolConfig] | None = None, now: Callable[[], float] | None = None) -> None:
+        self.port = port
+        self.now = now or (lambda: 0.0)
+        self.state = ClusterState(catalog, [info.spec for info in port.list_nodes()], pools)
+        self.framework = Framework(profile, np.random.default_rng(seed))
+        self.queue = SchedulingQueue()
+        for pod in port.list_pods():
+            if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
+                self.state.place(pod.request, pod.assignment)
+            elif pod.phase is PodPhase.PENDING:
+                self.queue.add(pod.request, pod.created_at)
+        self._unsubscribe = port.watch(self._on_event)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    # ------------------------------------------------------------------ cache
+    def _on_event(self, event: ClusterEvent) -> None:
+        kind = event.kind
+        if kind is EventKind.POD_ADDED and event.pod is not None:
+            if event.pod.phase is PodPhase.PENDING:
+                self.queue.add(event.pod.request, event.time)
+        elif kind is EventKind.POD_BOUND and event.pod is not None:
+            pod = event.pod
+            self.queue.remove(pod.name)
+            if pod.name not in self.state.bindings and pod.assignment is not None:
+                self.state.place(pod.request, pod.assignment)
+        elif kind is EventKind.POD_DELETED and event.pod is not None:
+            name = event.pod.name
+            self.queue.remove(name)
+            binding = self.state.bindings.get(name)
+            if binding is not None:
+                self.state.release(name)
+                self.queue.activate_for_node(self.state, binding.node)
+        elif kind is EventKind.NODE_ADDED and event.node is not None:
+            self.state.add_node(event.node.spec)
+            self.queue.activate_all()
+        elif kind is EventKind.NODE_UPDATED and event.node is not None:
+            self.state.update_node(event.node.spec)
+            self.queue.activate_all()
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, pod: PodRequest) -> Decision:
+        """Where `pod` would go now; changes nothing."""
+        return self.framework.schedule(pod, self.state)
+
+    def schedule_one(self, pod: PodRequest) -> Decision:
+        """Decide, reserve in the cache, bind through the port; forget the reservation if bind fails."""
+        decision = self.decide(pod)
+        if decision.assignment is None:
+            return decision
+        self.state.place(pod, decision.assignment)
+        status = self.port.bind(pod.name, decision.assignment)
+        if not status.ok:
+            if pod.name in self.state.bindings:
+                self.state.release(pod.name)
+            return Decision(status, None, -1, decision.diagnosis)
+        return decision
+
+    def run_pending(self, on_outcome: Callable[[Outcome], bool] | None = None) -> list[Outcome]:
+        """Try every active pod once, highest priority first. Unschedulable pods are parked.
+
+        `on_outcome` may return False to drop a failed pod instead of parking it (fill replays).
+        """
+        outcomes: list[Outcome] = []
+        while True:
+            entry: QueuedPod | None = self.queue.pop()
+            if entry is None:
+                return outcomes
+            decision = self.schedule_one(entry.request)
+            outcome = Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at)
+            outcomes.append(outcome)
+            keep = on_outcome(outcome) if on_outcome is not None else True
+            if not decision.status.ok and keep:
+                self.queue.park(entry)
+
+    def status_of(self, pod: str) -> Status:
+        return Status.success() if pod in self.state.bindings else Status.unschedulable("not placed")

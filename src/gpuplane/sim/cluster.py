@@ -1,0 +1,199 @@
+"""The embedded simulated cluster: an in-process world that implements the cluster port.
+
+It plays the API server and the kubelets: it stores nodes and pods, validates binds against its own
+authoritative accounting (a bind that no longer fits fails with a conflict, as a kubelet admission
+would), runs graceful evictions in virtual time and delivers watch events synchronously, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, PodRequest, PoolConfig, Taint
+from gpuplane.port import ClusterEvent, EventKind, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
+from gpuplane.sim.engine import EventLoop
+
+
+@dataclass(slots=True)
+class Workload:
+    """A replicated set of pods (a Deployment in miniature) that `scale` resizes."""
+
+    name: str
+    template: PodRequest
+    replicas: int
+    next_index: int = 0
+
+
+class SimCluster:
+    def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec], *, loop: EventLoop | None = None,
+                 pools: Mapping[str, PoolConfig] | None = None) -> None:
+        self.loop = loop or EventLoop()
+        self.catalog = catalog
+        self.state = ClusterState(catalog, nodes, pools)
+        self._nodes: dict[str, NodeInfo] = {spec.name: NodeInfo(spec, 1) for spec in self.state.nodes}
+        self._pods: dict[str, PodInfo] = {}
+        self._handlers: list[Handler] = []
+        self.workloads: dict[str, Workload] = {}
+        self._workload_pods: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------------ reads
+    def list_nodes(self) -> Sequence[NodeInfo]:
+        return list(self._nodes.values())
+
+    def list_pods(self) -> Sequence[PodInfo]:
+        return list(self._pods.values())
+
+    def get_pod(self, name: str) -> PodInfo | None:
+        return self._pods.get(name)
+
+    def watch(self, handler: Handler) -> Unsubscribe:
+        self._handlers.append(handler)
+
+        def unsubscribe() -> None:
+            if handler in self._handlers:
+                self._handlers.remove(handler)
+
+        return unsubscribe
+
+    def _emit(self, kind: EventKind, *, pod: PodInfo | None = None, node: NodeInfo | None = None) -> None:
+        event = ClusterEvent(kind, self.loop.now(), pod, node)
+        for handler in list(self._handlers):
+            handler(event)
+
+    # ------------------------------------------------------------------ pods
+    def create_pod(self, request: PodRequest) -> Status:
+        if request.name in self._pods:
+            return Status.error(f"conflict: pod {request.name} already exists")
+        info = PodInfo(request, PodPhase.PENDING, created_at=self.loop.now())
+        self._pods[request.name] = info
+        self._emit(EventKind.POD_ADDED, pod=info)
+        return Status.success()
+
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        info = self._pods.get(pod)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is not PodPhase.PENDING:
+            return Status.error(f"conflict: pod {pod} is {info.phase.value}, not Pending")
+        node = self._nodes.get(assignment.node)
+        if node is None:
+            return Status.error(f"conflict: node {assignment.node} not found")
+        if node_version is not None and node.resource_version != node_version:
+            return Status.error(f"conflict: node {assignment.node} changed "
+                                f"(version {node.resource_version}, expected {node_version})")
+        reason = self.state.check(assignment, info.request)
+        if reason is not None:
+            return Status.error(f"conflict: {reason}")
+        self.state.place(info.request, assignment)
+        bound = replace(info, phase=PodPhase.RUNNING, assignment=assignment, bound_at=self.loop.now())
+        self._pods[pod] = bound
+        self._emit(EventKind.POD_BOUND, pod=bound)
+        return Status.success()
+
+    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
+        info = self._pods.get(pod)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is PodPhase.TERMINATING:
+            return Status.success()
+        if info.phase is PodPhase.PENDING or grace_s <= 0:
+            return self.delete_pod(pod)
+        terminating = replace(info, phase=PodPhase.TERMINATING,
+                              annotations=(*info.annotations, ("gpuplane.io/eviction-reason", reason)))
+        self._pods[pod] = terminating
+        self._emit(EventKind.POD_TERMINATING, pod=terminating)
+        self.loop.call_later(grace_s, lambda: self._finish_eviction(pod))
+        return Status.success()
+
+    def _finish_eviction(self, pod: str) -> None:
+        info = self._pods.get(pod)
+        if info is not None and info.phase is PodPhase.TERMINATING:
+            self.delete_pod(pod)
+
+    def delete_pod(self, pod: str) -> Status:
+        info = self._pods.pop(pod, None)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if pod in self.state.bindings:
+            self.state.release(pod)
+        workload = info.request.workload
+        if workload is not None and workload in self._workload_pods:
+            members = self._workload_pods[workload]
+            if pod in members:
+                members.remove(pod)
+        self._emit(EventKind.POD_DELETED, pod=info)
+        return Status.success()
+
+    # ------------------------------------------------------------------ workloads
+    def create_workload(self, name: str, template: PodRequest, replicas: int = 0) -> Status:
+        if name in self.workloads:
+            return Status.error(f"conflict: workload {name} already exists")
+        self.workloads[name] = Workload(name, template, 0)
+        self._workload_pods[name] = []
+        return self.scale(name, replicas)
+
+    def scale(self, workload: str, replicas: int) -> Status:
+        spec = self.workloads.get(workload)
+        if spec is None:
+            return Status.error(f"workload {workload} not found")
+        if replicas < 0:
+            return Status.error(f"replicas must not be negative, got {replicas}")
+        members = self._workload_pods[workload]
+        while len(members) < replicas:
+            index = spec.next_index
+            spec.next_index += 1
+            name = f"{workload}-{index}"
+            request = replace(spec.template, name=name, workload=workload, instance=index)
+            members.append(name)
+            self.create_pod(request)
+        # Scale down removes pending pods first, then the newest (Kubernetes' ReplicaSet ranking, simplified).
+        while len(members) > replicas:
+            pending = [m for m in members if self._pods[m].phase is PodPhase.PENDING]
+            victim = pending[-1] if pending else members[-1]
+            self.delete_pod(victim)
+        spec.replicas = replicas
+        return Status.success()
+
+    # ------------------------------------------------------------------ nodes
+    def add_node(self, spec: NodeSpec) -> Status:
+        if spec.name in self._nodes:
+            return Status.error(f"conflict: node {spec.name} already exists")
+        self.state.add_node(spec)
+        info = NodeInfo(self.state.nodes[self.state.node_index[spec.name]], 1)
+        self._nodes[spec.name] = info
+        self._emit(EventKind.NODE_ADDED, node=info)
+        return Status.success()
+
+    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
+                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
+                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
+        info = self._nodes.get(node)
+        if info is None:
+            return Status.error(f"node {node} not found")
+        spec = info.spec
+        if labels is not None:
+            merged = dict(spec.labels)
+            for key, value in labels.items():
+                if value is None:
+                    merged.pop(key, None)
+                else:
+                    merged[key] = value
+            spec = spec.with_changes(labels=tuple(sorted(merged.items())))
+        if taints is not None:
+            spec = spec.with_changes(taints=tuple(taints))
+        if unschedulable is not None:
+            spec = spec.with_changes(schedulable=not unschedulable)
+        if pool is not None:
+            spec = spec.with_changes(pool=pool)
+        notes = dict(info.annotations)
+        for key, value in (annotations or {}).items():
+            if value is None:
+                notes.pop(key, None)
+            else:
+                notes[key] = value
+        self.state.update_node(spec)
+        updated = NodeInfo(spec, info.resource_version + 1, tuple(sorted(notes.items())))
+        self._nodes[node] = updated
+        self._emit(EventKind.NODE_UPDATED, node=updated)
+        return Status.success()

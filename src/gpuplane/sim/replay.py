@@ -1,0 +1,331 @@
+"""Trace replays on the simulated cluster: `fill` (the FGD paper's protocol) and `timed`.
+
+Both drive the real scheduler through the cluster port; nothing here places pods itself.
+
+- fill: shuffle with the seed, tune the workload to 130 % of cluster GPU capacity by resampling with
+  replacement, submit one pod at a time, no departures, no retries. Records allocation against arrived
+  workload after every pod.
+- timed: pods arrive over virtual time (Poisson at a rate set for a target load, or the trace's own
+  creation times) and leave after their trace lifetime; unschedulable pods wait in the queue and are
+  retried when capacity frees. Records allocation, card occupancy and utilisation over time, and waits.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuplane.model import MILLI_PER_CARD, Catalog, NodeSpec, PodRequest, PoolConfig, QoS
+from gpuplane.scheduler import Decision, Outcome, Profile, Scheduler
+from gpuplane.sim.cluster import SimCluster
+from gpuplane.sim.engine import EventLoop
+from gpuplane.sim.trace import TracePod
+
+Progress = Callable[[int, int], None]
+"""Called as progress(done, total) while a replay runs."""
+
+
+class ReplayMode(enum.Enum):
+    FILL = "fill"
+    TIMED = "timed"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One decision, as written to the placements CSV."""
+
+    seq: int
+    request: PodRequest
+    node: str
+    cards: tuple[int, ...]
+    outcome: str
+
+
+@dataclass(slots=True)
+class TimeSeries:
+    time_s: list[float] = field(default_factory=list)
+    allocation_pct: list[float] = field(default_factory=list)
+    occupied_cards_pct: list[float] = field(default_factory=list)
+    utilisation_pct: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    mode: ReplayMode
+    trace: str
+    profile: str
+    seed: int
+    nodes: int
+    total_gpus: int
+    submitted: int = 0
+    placed: int = 0
+    failed_by_reason: Counter[str] = field(default_factory=Counter)
+    decisions: int = 0
+    wall_s: float = 0.0
+    arrived_pct: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    allocation_pct: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    card_used_milli_at_100: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    card_used_milli_at_end: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    placements: list[Placement] = field(default_factory=list)
+    why: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    """Per-node reasons for the pods asked about with `why=`: pod → [(node, reason or "feasible")]."""
+    why_message: dict[str, str] = field(default_factory=dict)
+    series: TimeSeries | None = None
+    waits_s: list[float] = field(default_factory=list)
+    never_placed: int = 0
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failed_by_reason.values())
+
+    @property
+    def decisions_per_s(self) -> float:
+        return self.decisions / self.wall_s if self.wall_s > 0 else 0.0
+
+    def allocation_at(self, arrived: float) -> float:
+        """Allocation % after the last pod whose arrival kept the arrived workload ≤ `arrived` %."""
+        if not len(self.arrived_pct):
+            return 0.0
+        index = int(np.searchsorted(self.arrived_pct, arrived + 1e-9, side="right")) - 1
+        return float(self.allocation_pct[index]) if index >= 0 else 0.0
+
+    def unallocated_at(self, arrived: float) -> float:
+        return 100.0 - self.allocation_at(arrived)
+
+
+def tune_workload(pods: Sequence[PodRequest], capacity_milli: int, seed: int, target: float = 1.3) -> list[PodRequest]:
+    """The FGD protocol: shuffle, then resample with replacement up to `target` × capacity (or trim down)."""
+    rng = np.random.default_rng(seed)
+    order = [pods[i] for i in rng.permutation(len(pods))]
+    goal = target * capacity_milli
+    total = sum(p.gpu_milli_total for p in order)
+    if total <= goal:
+        index = 0
+        while True:
+            source = pods[int(rng.integers(len(pods)))]
+            if total + source.gpu_milli_total > goal:
+                break
+            order.append(replace(source, name=f"{source.name}-tuned-{index}"))
+            total += source.gpu_milli_total
+            index += 1
+    else:
+        while total > goal and order:
+            victim = order.pop(int(rng.integers(len(order))))
+            total -= victim.gpu_milli_total
+    return order
+
+
+def _outcome_text(decision: Decision) -> str:
+    if decision.status.ok:
+        return "placed"
+    if decision.diagnosis is not None:
+        return decision.diagnosis.dominant()
+    return decision.status.message or decision.status.code.value
+
+
+def _why_rows(scheduler: Scheduler, decision: Decision) -> list[tuple[str, str]]:
+    names = [spec.name for spec in scheduler.state.nodes]
+    if decision.diagnosis is None:
+        return [(decision.assignment.node if decision.assignment else "?", "chosen")]
+    return [(names[i], decision.diagnosis.node_reason(i) or "feasible") for i in range(len(names))]
+
+
+def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequest], profile: Profile, *,
+             seed: int = 42, trace: str = "", tune: float = 1.3, record_placements: bool = False,
+             why: Sequence[str] = (), pools: dict[str, PoolConfig] | None = None,
+             progress: Progress | None = None) -> SimulationResult:
+    """Replay `pods` in fill mode. Deterministic for a given seed."""
+    cluster = SimCluster(catalog, nodes, pools=pools)
+    scheduler = Scheduler(cluster, catalog, profile, seed=seed, pools=pools)
+    capacity = cluster.state.total_gpu_milli()
+    workload = tune_workload(pods, capacity, seed, tune)
+    result = SimulationResult(ReplayMode.FILL, trace, profile.name, seed, cluster.state.size,
+                              capacity // MILLI_PER_CARD)
+    arrived = np.zeros(len(workload), np.float64)
+    allocated = np.zeros(len(workload), np.float64)
+    wanted = set(why)
+    arrived_milli = 0
+    used_milli = 0
+    snapshot_taken = False
+    total = len(workload)
+    started = time.perf_counter()
+    for seq, request in enumerate(workload):
+        cluster.create_pod(request)
+        outcomes = scheduler.run_pending(on_outcome=_drop_failed)
+        decision = outcomes[-1].decision
+        arrived_milli += request.gpu_milli_total
+        if decision.status.ok and decision.assignment is not None:
+            used_milli += decision.assignment.gpu_milli
+            result.placed += 1
+        else:
+            result.failed_by_reason[_outcome_text(decision)] += 1
+            cluster.delete_pod(request.name)
+        arrived[seq] = arrived_milli * 100.0 / capacity
+        allocated[seq] = used_milli * 100.0 / capacity
+        if not snapshot_taken and arrived[seq] >= 100.0:
+            result.card_used_milli_at_100 = cluster.state.card_used_milli()
+            snapshot_taken = True
+        if record_placements:
+            assignment = decision.assignment
+            result.placements.append(Placement(seq, request, assignment.node if assignment else "",
+                                               assignment.card_indexes if assignment else (),
+                                               "placed" if decision.status.ok else decision.status.message))
+        if request.name in wanted:
+            result.why[request.name] = _why_rows(scheduler, decision)
+            result.why_message[request.name] = "placed on " + decision.assignment.node if decision.assignment \
+                else decision.status.message
+        if progress is not None and (seq % 512 == 0 or seq == total - 1):
+            progress(seq + 1, total)
+    result.wall_s = time.perf_counter() - started
+    result.decisions = total
+    result.submitted = total
+    result.arrived_pct = arrived
+    result.allocation_pct = allocated
+    result.card_used_milli_at_end = cluster.state.card_used_milli()
+    if not snapshot_taken:
+        result.card_used_milli_at_100 = result.card_used_milli_at_end
+    return result
+
+
+def _drop_failed(outcome: Outcome) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class TimedConfig:
+    """Parameters of a timed replay."""
+
+    arrival: str = "poisson"
+    """`poisson`: exponential gaps at a rate set for `load`; `trace`: the trace's own creation times."""
+    load: float = 0.9
+    """Target offered GPU load, as a share of cluster GPU capacity (Little's law on mean lifetimes)."""
+    min_duration_s: float = 60.0
+    max_duration_s: float = 86400.0
+    sample_every_s: float = 300.0
+    utilisation: tuple[tuple[QoS, float, float], ...] = (
+        (QoS.ONLINE, 0.2, 0.6), (QoS.OFFLINE, 0.6, 0.95), (QoS.BEST_EFFORT, 0.3, 0.9))
+    """Modelling assumption (the trace has no utilisation): each pod busies this share of its GPU
+    allocation, drawn uniformly per pod from its QoS class's range."""
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ("poisson", "trace"):
+            raise ValueError(f"arrival: choose poisson or trace, got {self.arrival!r}")
+        if not 0 < self.load <= 10:
+            raise ValueError(f"load: must be within (0, 10], got {self.load}")
+        if not 0 < self.min_duration_s <= self.max_duration_s:
+            raise ValueError("min_duration_s must be positive and at most max_duration_s")
+        if self.sample_every_s <= 0:
+            raise ValueError("sample_every_s must be positive")
+
+
+def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TracePod], profile: Profile, *,
+              seed: int = 42, trace: str = "", config: TimedConfig | None = None,
+              record_placements: bool = False, why: Sequence[str] = (),
+              pools: dict[str, PoolConfig] | None = None, progress: Progress | None = None) -> SimulationResult:
+    """Replay `pods` arriving over virtual time; pods leave after their (clipped) trace lifetime."""
+    config = config or TimedConfig()
+    rng = np.random.default_rng(seed)
+    loop = EventLoop()
+    cluster = SimCluster(catalog, nodes, loop=loop, pools=pools)
+    scheduler = Scheduler(cluster, catalog, profile, seed=seed, pools=pools, now=loop.now)
+    capacity = cluster.state.total_gpu_milli()
+    result = SimulationResult(ReplayMode.TIMED, trace, profile.name, seed, cluster.state.size,
+                              capacity // MILLI_PER_CARD)
+    order = [pods[i] for i in rng.permutation(len(pods))] if config.arrival == "poisson" else \
+        sorted(pods, key=lambda p: (p.creation_time or 0.0, p.line))
+    lifetimes = np.array([p.lifetime if p.lifetime is not None else np.nan for p in order], np.float64)
+    median = float(np.nanmedian(lifetimes)) if np.isfinite(lifetimes).any() else 600.0
+    durations = np.clip(np.where(np.isfinite(lifetimes), lifetimes, median), config.min_duration_s,
+                        config.max_duration_s)
+    demand = np.array([p.request.gpu_milli_total for p in order], np.float64)
+    if config.arrival == "poisson":
+        mean_work = float((demand * durations).mean())
+        rate = config.load * capacity / mean_work if mean_work > 0 else 1.0
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, len(order)))
+    else:
+        origin = min((p.creation_time or 0.0) for p in order)
+        arrivals = np.array([(p.creation_time or origin) - origin for p in order], np.float64)
+    ranges = {qos: (lo, hi) for qos, lo, hi in config.utilisation}
+    busy_share = np.array([rng.uniform(*ranges.get(p.request.qos, (0.5, 0.5))) for p in order])
+    index_of = {p.request.name: i for i, p in enumerate(order)}
+    series = TimeSeries()
+    busy_milli = 0.0
+    wanted = set(why)
+    seq = 0
+    total = len(order)
+    done = 0
+
+    def record(outcome: Outcome) -> bool:
+        nonlocal seq, busy_milli
+        decision = outcome.decision
+        request = outcome.request
+        result.decisions += 1
+        if request.name in wanted:
+            result.why[request.name] = _why_rows(scheduler, decision)
+            result.why_message[request.name] = decision.status.message or "placed"
+        if decision.status.ok and decision.assignment is not None:
+            i = index_of[request.name]
+            result.placed += 1
+            result.waits_s.append(outcome.waited)
+            busy_milli += decision.assignment.gpu_milli * busy_share[i]
+            loop.call_later(float(durations[i]), functools.partial(depart, request.name, i))
+        if record_placements and (decision.status.ok or outcome.attempt == 1):
+            a = decision.assignment
+            result.placements.append(Placement(seq, request, a.node if a else "", a.card_indexes if a else (),
+                                               "placed" if decision.status.ok else decision.status.message))
+            seq += 1
+        return True
+
+    def depart(name: str, i: int) -> None:
+        nonlocal busy_milli, done
+        binding = cluster.state.bindings.get(name)
+        if binding is not None:
+            busy_milli -= binding.assignment.gpu_milli * busy_share[i]
+        cluster.delete_pod(name)
+        done += 1
+        scheduler.run_pending(record)
+
+    def arrive(i: int) -> None:
+        cluster.create_pod(order[i].request)
+        result.submitted += 1
+        scheduler.run_pending(record)
+        if progress is not None and (i % 256 == 0 or i == total - 1):
+            progress(i + 1, total)
+
+    def sample() -> None:
+        state = cluster.state
+        n = state.size
+        series.time_s.append(loop.now())
+        allocation = state.used_gpu_milli() * 100.0 / capacity
+        if not series.allocation_pct or allocation > max(series.allocation_pct):
+            result.card_used_milli_at_100 = state.card_used_milli()  # the busiest moment stands in for 100 %
+        series.allocation_pct.append(allocation)
+        occupied = ((state.card_holders[:n] > 0) | state.card_mig[:n]) & state.card_valid[:n]
+        series.occupied_cards_pct.append(float(occupied.sum()) * 100.0 / max(1, int(state.card_valid[:n].sum())))
+        series.utilisation_pct.append(busy_milli * 100.0 / capacity)
+        series.pending.append(len(scheduler.queue))
+        if len(loop) > 0:
+            loop.call_later(config.sample_every_s, sample)
+
+    for i, at in enumerate(arrivals):
+        loop.call_at(float(at), functools.partial(arrive, i))
+    loop.call_at(0.0, sample)
+    started = time.perf_counter()
+    loop.run()
+    result.wall_s = time.perf_counter() - started
+    result.never_placed = len(scheduler.queue)
+    if result.never_placed:
+        result.failed_by_reason["still pending at the end"] += result.never_placed
+    result.series = series
+    result.card_used_milli_at_end = cluster.state.card_used_milli()
+    if not len(result.card_used_milli_at_100):
+        result.card_used_milli_at_100 = result.card_used_milli_at_end
+    return result
