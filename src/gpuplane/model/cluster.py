@@ -273,6 +273,8 @@ class ClusterState:
             return f"card {c} has non-MIG holders"
         if share.mig_start not in profile.starts:
             return f"start {share.mig_start} is not legal for profile {profile.name}"
+        if profile.media_extensions and self.card_mig_me[n, c]:
+            return f"card {c} already has a +me instance"
         if int(self.card_mig_slots[n, c]) & profile.slot_mask(share.mig_start):
             return f"memory slices of card {c} overlap"
         if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
@@ -375,6 +377,8 @@ class ClusterState:
         if not self.card_mig[n, c] and self.card_holders[n, c]:
             return []
         if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
+            return []
+        if profile.media_extensions and self.card_mig_me[n, c]:
             return []
         instances = self.mig_instances.get((n, c), ())
         if sum(1 for inst in instances if inst.profile_id == profile.profile_id) >= profile.max_count:

@@ -21,6 +21,8 @@ class QueuedPod:
     request: PodRequest
     enqueued_at: float
     attempts: int = 0
+    seq: int = -1
+    """Sequence number of this entry's live heap item; older heap items for the same name are stale."""
 
 
 class SchedulingQueue:
@@ -43,15 +45,14 @@ class SchedulingQueue:
     def add(self, request: PodRequest, now: float) -> None:
         if request.name in self:
             return
-        entry = QueuedPod(request, now)
-        self._pods[request.name] = entry
-        heapq.heappush(self._active, (-request.priority, next(self._seq), request.name))
+        self._requeue(QueuedPod(request, now))
 
     def pop(self) -> QueuedPod | None:
         while self._active:
-            _, _, name = heapq.heappop(self._active)
-            entry = self._pods.pop(name, None)
-            if entry is not None:
+            _, seq, name = heapq.heappop(self._active)
+            entry = self._pods.get(name)
+            if entry is not None and entry.seq == seq:
+                del self._pods[name]
                 entry.attempts += 1
                 return entry
         return None
@@ -96,5 +97,6 @@ class SchedulingQueue:
         return moved
 
     def _requeue(self, entry: QueuedPod) -> None:
+        entry.seq = next(self._seq)
         self._pods[entry.request.name] = entry
-        heapq.heappush(self._active, (-entry.request.priority, next(self._seq), entry.request.name))
+        heapq.heappush(self._active, (-entry.request.priority, entry.seq, entry.request.name))

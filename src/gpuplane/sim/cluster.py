@@ -7,6 +7,7 @@ would), runs graceful evictions in virtual time and delivers watch events synchr
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,12 +29,14 @@ class Workload:
 class SimCluster:
     def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec], *, loop: EventLoop | None = None,
                  pools: Mapping[str, PoolConfig] | None = None) -> None:
-        self.loop = loop or EventLoop()
+        self.loop = loop if loop is not None else EventLoop()  # an empty EventLoop is falsy (__len__)
         self.catalog = catalog
         self.state = ClusterState(catalog, nodes, pools)
         self._nodes: dict[str, NodeInfo] = {spec.name: NodeInfo(spec, 1) for spec in self.state.nodes}
         self._pods: dict[str, PodInfo] = {}
         self._handlers: list[Handler] = []
+        self._outbox: deque[ClusterEvent] = deque()
+        self._delivering = False
         self.workloads: dict[str, Workload] = {}
         self._workload_pods: dict[str, list[str]] = {}
 
@@ -57,9 +60,20 @@ class SimCluster:
         return unsubscribe
 
     def _emit(self, kind: EventKind, *, pod: PodInfo | None = None, node: NodeInfo | None = None) -> None:
-        event = ClusterEvent(kind, self.loop.now(), pod, node)
-        for handler in list(self._handlers):
-            handler(event)
+        # Events a handler causes (it calls the port) queue behind the event being delivered, so every
+        # subscriber sees the same order; delivery stays synchronous with the outermost call.
+        self._outbox.append(ClusterEvent(kind, self.loop.now(), pod, node))
+        if self._delivering:
+            return
+        self._delivering = True
+        try:
+            while self._outbox:
+                event = self._outbox.popleft()
+                for handler in list(self._handlers):
+                    if handler in self._handlers:  # unsubscribed by an earlier handler: stop at once
+                        handler(event)
+        finally:
+            self._delivering = False
 
     # ------------------------------------------------------------------ pods
     def create_pod(self, request: PodRequest) -> Status:
@@ -103,12 +117,13 @@ class SimCluster:
                               annotations=(*info.annotations, ("gpuplane.io/eviction-reason", reason)))
         self._pods[pod] = terminating
         self._emit(EventKind.POD_TERMINATING, pod=terminating)
-        self.loop.call_later(grace_s, lambda: self._finish_eviction(pod))
+        self.loop.call_later(grace_s, lambda: self._finish_eviction(pod, terminating))
         return Status.success()
 
-    def _finish_eviction(self, pod: str) -> None:
-        info = self._pods.get(pod)
-        if info is not None and info.phase is PodPhase.TERMINATING:
+    def _finish_eviction(self, pod: str, terminating: PodInfo) -> None:
+        # Only the eviction that made this pod object Terminating may delete it: a pod deleted and
+        # created again under the same name must not be cut short by an older eviction's timer.
+        if self._pods.get(pod) is terminating:
             self.delete_pod(pod)
 
     def delete_pod(self, pod: str) -> Status:

@@ -69,8 +69,7 @@ class EventLoop:
         while self._heap:
             head = self._heap[0]
             if until is not None and head.time > until:
-                self._now = until
-                return
+                break
             self.step()
         if until is not None and until > self._now:
             self._now = until

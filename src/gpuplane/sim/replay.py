@@ -72,7 +72,10 @@ class SimulationResult:
     wall_s: float = 0.0
     arrived_pct: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
     allocation_pct: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros(0))
+    card_used_milli_at_50: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     card_used_milli_at_100: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Used milli of every card when the arrived workload first reached 50 % and 100 % (fill), or at the
+    moment of peak allocation (timed, both)."""
     card_used_milli_at_end: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     placements: list[Placement] = field(default_factory=list)
     why: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
@@ -154,7 +157,7 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
     wanted = set(why)
     arrived_milli = 0
     used_milli = 0
-    snapshot_taken = False
+    snapshots = {50.0: False, 100.0: False}
     total = len(workload)
     started = time.perf_counter()
     for seq, request in enumerate(workload):
@@ -170,9 +173,14 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
             cluster.delete_pod(request.name)
         arrived[seq] = arrived_milli * 100.0 / capacity
         allocated[seq] = used_milli * 100.0 / capacity
-        if not snapshot_taken and arrived[seq] >= 100.0:
-            result.card_used_milli_at_100 = cluster.state.card_used_milli()
-            snapshot_taken = True
+        for mark, taken in snapshots.items():
+            if not taken and arrived[seq] >= mark:
+                used_cards = cluster.state.card_used_milli()
+                if mark == 50.0:
+                    result.card_used_milli_at_50 = used_cards
+                else:
+                    result.card_used_milli_at_100 = used_cards
+                snapshots[mark] = True
         if record_placements:
             assignment = decision.assignment
             result.placements.append(Placement(seq, request, assignment.node if assignment else "",
@@ -190,7 +198,9 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
     result.arrived_pct = arrived
     result.allocation_pct = allocated
     result.card_used_milli_at_end = cluster.state.card_used_milli()
-    if not snapshot_taken:
+    if not snapshots[50.0]:
+        result.card_used_milli_at_50 = result.card_used_milli_at_end
+    if not snapshots[100.0]:
         result.card_used_milli_at_100 = result.card_used_milli_at_end
     return result
 
@@ -306,7 +316,8 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
         series.time_s.append(loop.now())
         allocation = state.used_gpu_milli() * 100.0 / capacity
         if not series.allocation_pct or allocation > max(series.allocation_pct):
-            result.card_used_milli_at_100 = state.card_used_milli()  # the busiest moment stands in for 100 %
+            # The busiest moment stands in for both fill snapshots.
+            result.card_used_milli_at_100 = result.card_used_milli_at_50 = state.card_used_milli()
         series.allocation_pct.append(allocation)
         occupied = ((state.card_holders[:n] > 0) | state.card_mig[:n]) & state.card_valid[:n]
         series.occupied_cards_pct.append(float(occupied.sum()) * 100.0 / max(1, int(state.card_valid[:n].sum())))
@@ -327,5 +338,5 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
     result.series = series
     result.card_used_milli_at_end = cluster.state.card_used_milli()
     if not len(result.card_used_milli_at_100):
-        result.card_used_milli_at_100 = result.card_used_milli_at_end
+        result.card_used_milli_at_100 = result.card_used_milli_at_50 = result.card_used_milli_at_end
     return result

@@ -7,6 +7,7 @@ goes on and reports each skipped row and why, so nothing is dropped silently.
 from __future__ import annotations
 
 import csv
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ def _time(path: Path, line: int, row: dict[str, str], column: str) -> float | No
         value = float(raw)
     except ValueError:
         raise TraceError(path, line, column, f"not a number: {raw!r}") from None
+    if not math.isfinite(value):
+        raise TraceError(path, line, column, f"not a finite number: {raw!r}")
     if value < 0:
         raise TraceError(path, line, column, f"must not be negative, got {raw}")
     return value

@@ -1,0 +1,1 @@
+"""The command line: the top layer, the only one that prints."""

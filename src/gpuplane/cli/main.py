@@ -1,0 +1,332 @@
+"""The `gpuplane` command line: simulate, explain, bench."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gpuplane.model import Catalog, GpuplaneError, NodeSpec, default_catalog
+from gpuplane.report import occupancy_histogram, summary_rows, write_report
+from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, default_registry, load_topo_config
+from gpuplane.sim import (
+    LoadReport,
+    ReplayMode,
+    SimulationResult,
+    TimedConfig,
+    TracePod,
+    bundled_path,
+    load_nodes,
+    load_pods,
+    resolve_trace,
+    run_fill,
+    run_timed,
+)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="gpuplane: GPU-cluster scheduling, sharing and simulation.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
+app.add_typer(bench_app, name="bench")
+
+err = Console(stderr=True)
+out = Console()
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    catalog: Catalog
+    nodes: list[NodeSpec]
+    pods: list[TracePod]
+    trace: str
+    reports: tuple[LoadReport, LoadReport]
+
+
+def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool) -> Inputs:
+    catalog = default_catalog()
+    node_report = LoadReport(str(nodes_path or "bundled node list"))
+    pod_path = resolve_trace(trace)
+    pod_report = LoadReport(str(pod_path))
+    nodes = load_nodes(nodes_path or bundled_path("nodes"), catalog, skip_bad_rows=skip_bad_rows, report=node_report)
+    pods = load_pods(pod_path, catalog, skip_bad_rows=skip_bad_rows, report=pod_report)
+    if not nodes:
+        raise GpuplaneError(f"{node_report.path}: no usable nodes")
+    if not pods:
+        raise GpuplaneError(f"{pod_report.path}: no usable pods")
+    return Inputs(catalog, nodes, pods, trace, (node_report, pod_report))
+
+
+def _policy(node_policy: str, card_policy: str, scope: str, topo: Path | None, nodes: list[NodeSpec]) -> PolicyConfig:
+    try:
+        scope_value = CardOnlyOneScope(scope)
+    except ValueError:
+        raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
+    config = PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
+                          custom_topo=load_topo_config(topo) if topo is not None else None)
+    if config.custom_topo is not None:
+        names = {n.name for n in nodes}
+        missing = sorted({n for rule in config.custom_topo.rules for n in rule.nodes or () if n not in names})
+        if missing:
+            raise GpuplaneError(f"{topo}: rules name nodes the cluster lacks: {', '.join(missing[:10])}")
+    return config
+
+
+def _run(inputs: Inputs, config: PolicyConfig, mode: ReplayMode, seed: int, *, record: bool, why: list[str],
+         timed: TimedConfig, quiet: bool) -> SimulationResult:
+    profile = default_registry().build(config)
+    progress = Progress(TextColumn(f"[bold]{profile.name}[/] {mode.value}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    with progress:
+        task = progress.add_task("replay", total=None)
+
+        def tick(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        if mode is ReplayMode.FILL:
+            return run_fill(inputs.catalog, inputs.nodes, [p.request for p in inputs.pods], profile, seed=seed,
+                            trace=inputs.trace, record_placements=record, why=why, progress=tick)
+        return run_timed(inputs.catalog, inputs.nodes, inputs.pods, profile, seed=seed, trace=inputs.trace,
+                         config=timed, record_placements=record, why=why, progress=tick)
+
+
+def _summary_json(result: SimulationResult, report: Path | None) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "mode": result.mode.value,
+        "trace": result.trace,
+        "policy": result.profile,
+        "seed": result.seed,
+        "nodes": result.nodes,
+        "gpus": result.total_gpus,
+        "submitted_pods": result.submitted,
+        "placed_pods": result.placed,
+        "failed_pods": result.failed,
+        "failed_by_reason": dict(result.failed_by_reason.most_common()),
+        "decisions": result.decisions,
+        "decisions_per_s": round(result.decisions_per_s, 1),
+        "wall_s": round(result.wall_s, 3),
+        "card_occupancy_buckets": ["idle", "1-250", "251-500", "501-750", "751-999", "full"],
+        "card_occupancy_at_50": occupancy_histogram(result.card_used_milli_at_50),
+        "card_occupancy_at_100": occupancy_histogram(result.card_used_milli_at_100),
+    }
+    if result.mode is ReplayMode.FILL:
+        data |= {
+            "allocation_at_100": round(result.allocation_at(100), 3),
+            "allocation_at_130": round(result.allocation_at(130), 3),
+            "unallocated_at_100": round(result.unallocated_at(100), 3),
+            "unallocated_at_130": round(result.unallocated_at(130), 3),
+        }
+    elif result.series is not None and result.series.allocation_pct:
+        waits = np.asarray(result.waits_s) if result.waits_s else np.zeros(1)
+        data |= {
+            "allocation_at_100": None,
+            "allocation_at_130": None,
+            "mean_allocation_pct": round(float(np.mean(result.series.allocation_pct)), 3),
+            "mean_utilisation_pct": round(float(np.mean(result.series.utilisation_pct)), 3),
+            "peak_allocation_pct": round(max(result.series.allocation_pct), 3),
+            "wait_p50_s": round(float(np.percentile(waits, 50)), 1),
+            "wait_p95_s": round(float(np.percentile(waits, 95)), 1),
+            "never_placed_pods": result.never_placed,
+        }
+    if report is not None:
+        data["report"] = str(report)
+    return data
+
+
+def _write_placements(result: SimulationResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["seq", "pod", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli", "gpu_spec", "node", "cards",
+                         "outcome"])
+        for p in result.placements:
+            request = p.request
+            gpu = request.gpu
+            num_gpu = getattr(gpu, "count", 1 if gpu is not None else 0)
+            gpu_milli = 1000 if hasattr(gpu, "count") else request.gpu_milli_total
+            spec = "|".join(sorted(request.models)) if request.models else ""
+            writer.writerow([p.seq, request.name, request.cpu_milli, request.memory_mib, num_gpu, gpu_milli, spec,
+                             p.node, ";".join(map(str, p.cards)), p.outcome])
+
+
+def _print_summary(results: list[SimulationResult], skipped: tuple[LoadReport, LoadReport]) -> None:
+    table = Table(title="gpuplane simulate", show_lines=False)
+    table.add_column("")
+    for result in results:
+        table.add_column(result.profile)
+    rows = [summary_rows(r) for r in results]
+    for i, (key, _) in enumerate(rows[0]):
+        table.add_row(key, *(r[i][1] for r in rows))
+    out.print(table)
+    for result in results:
+        if result.failed_by_reason:
+            reasons = Table(title=f"failed pods by reason: {result.profile}")
+            reasons.add_column("reason")
+            reasons.add_column("pods", justify="right")
+            for reason, count in result.failed_by_reason.most_common():
+                reasons.add_row(reason, str(count))
+            out.print(reasons)
+    for report in skipped:
+        if report.skipped:
+            err.print(f"[yellow]skipped rows:[/] {report.summary()}")
+
+
+def _print_why(result: SimulationResult, pod: str, show_all: bool) -> None:
+    rows = result.why.get(pod)
+    if rows is None:
+        out.print(f"[red]pod {pod} was not submitted in this run[/] (names of resampled copies end in -tuned-N)")
+        return
+    out.print(f"[bold]{pod}[/]: {result.why_message.get(pod, '')}")
+    by_reason: dict[str, list[str]] = {}
+    for node, reason in rows:
+        by_reason.setdefault(reason, []).append(node)
+    table = Table(title=f"per-node reasons for {pod}")
+    table.add_column("reason")
+    table.add_column("nodes", justify="right")
+    table.add_column("for example")
+    for reason, nodes in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        table.add_row(reason, str(len(nodes)), ", ".join(nodes[:4]) + (" …" if len(nodes) > 4 else ""))
+    out.print(table)
+    if show_all:
+        for node, reason in rows:
+            out.print(f"{node}\t{reason}")
+
+
+TraceOpt = Annotated[str, typer.Option(help="default, gpushare40, gpushare100, or a path to an openb pod CSV")]
+NodesOpt = Annotated[Path | None, typer.Option(help="openb node CSV (default: the bundled 1,213-node cluster)")]
+ModeOpt = Annotated[str, typer.Option(help="fill (FGD protocol) or timed")]
+NodePolicyOpt = Annotated[str, typer.Option(help="node policy: binpack or spread (or a registered plugin)")]
+CardPolicyOpt = Annotated[str, typer.Option(help="card policy: binpack, spread, card-only-one or custom-topo")]
+ScopeOpt = Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
+TopoOpt = Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")]
+SeedOpt = Annotated[int, typer.Option(help="seed for shuffling, resampling and tie-breaks")]
+SkipOpt = Annotated[bool, typer.Option(help="skip bad trace rows (and report them) instead of stopping")]
+LoadOpt = Annotated[float, typer.Option(help="timed mode: offered GPU load as a share of capacity")]
+ArrivalOpt = Annotated[str, typer.Option(help="timed mode: poisson or trace (the trace's creation times)")]
+
+
+def _timed_config(load: float, arrival: str) -> TimedConfig:
+    try:
+        return TimedConfig(arrival=arrival, load=load)
+    except ValueError as exc:
+        raise GpuplaneError(str(exc)) from None
+
+
+@app.command()
+def simulate(
+    trace: TraceOpt = "default",
+    nodes: NodesOpt = None,
+    mode: ModeOpt = "fill",
+    node_policy: NodePolicyOpt = "binpack",
+    card_policy: CardPolicyOpt = "binpack",
+    card_only_one_scope: ScopeOpt = "workload",
+    topo: TopoOpt = None,
+    seed: SeedOpt = 42,
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for report.html")] = Path("out"),
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    placements: Annotated[Path | None, typer.Option(help="write every decision to this CSV")] = None,
+    why: Annotated[list[str] | None, typer.Option(help="show per-node reasons for this pod (repeatable)")] = None,
+    compare: Annotated[list[str] | None, typer.Option(
+        help="also run this policy (as node and card policy) and draw it in the same report; repeatable")] = None,
+    skip_bad_rows: SkipOpt = False,
+    load: LoadOpt = 0.9,
+    arrival: ArrivalOpt = "poisson",
+) -> None:
+    """Replay a trace on the simulated cluster, print a summary and write DIR/report.html."""
+    try:
+        replay_mode = ReplayMode(mode)
+    except ValueError:
+        _fail(f"--mode: choose fill or timed, got {mode!r}")
+    try:
+        inputs = _load(trace, nodes, skip_bad_rows)
+        timed = _timed_config(load, arrival)
+        configs = [_policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)]
+        configs += [_policy(p, p, card_only_one_scope, topo, inputs.nodes) for p in compare or []]
+        results = [_run(inputs, c, replay_mode, seed, record=placements is not None and i == 0, why=why or [],
+                        timed=timed, quiet=False) for i, c in enumerate(configs)]
+        report = write_report(results, out_dir / "report.html")
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    if placements is not None:
+        _write_placements(results[0], placements)
+    if as_json:
+        data = _summary_json(results[0], report)
+        if len(results) > 1:
+            data["compare"] = [_summary_json(r, None) for r in results[1:]]
+        skipped = [s.summary() for s in inputs.reports if s.skipped]
+        if skipped:
+            data["skipped_rows"] = skipped
+        print(json.dumps(data))
+        return
+    _print_summary(results, inputs.reports)
+    for pod in why or []:
+        _print_why(results[0], pod, show_all=False)
+    out.print(f"report: {report}")
+
+
+@app.command()
+def explain(
+    pod: Annotated[str, typer.Argument(help="pod name, e.g. openb-pod-0042 or openb-pod-0042-tuned-7")],
+    trace: TraceOpt = "default",
+    nodes: NodesOpt = None,
+    mode: ModeOpt = "fill",
+    node_policy: NodePolicyOpt = "binpack",
+    card_policy: CardPolicyOpt = "binpack",
+    card_only_one_scope: ScopeOpt = "workload",
+    topo: TopoOpt = None,
+    seed: SeedOpt = 42,
+    skip_bad_rows: SkipOpt = False,
+    show_all: Annotated[bool, typer.Option("--all", help="list every node with its reason")] = False,
+) -> None:
+    """Replay the trace and show, for one pod, why each node could or could not take it."""
+    try:
+        inputs = _load(trace, nodes, skip_bad_rows)
+        config = _policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)
+        result = _run(inputs, config, ReplayMode(mode), seed, record=False, why=[pod], timed=TimedConfig(),
+                      quiet=False)
+    except (GpuplaneError, ValueError) as exc:
+        _fail(str(exc))
+    _print_why(result, pod, show_all)
+    if pod not in result.why:
+        raise typer.Exit(1)
+
+
+@bench_app.command("schedule")
+def bench_schedule(
+    node_count: Annotated[int, typer.Option("--nodes", help="size of the synthetic cluster")] = 10_000,
+    seed: SeedOpt = 42,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Decisions per second and peak memory of the fill replay, on the trace cluster and a synthetic one."""
+    from gpuplane.cli.bench import run_schedule_bench
+
+    figures = run_schedule_bench(node_count, seed, progress=None if as_json else err)
+    if as_json:
+        print(json.dumps(figures))
+        return
+    table = Table(title="gpuplane bench schedule (fill replay, one core)")
+    for column in ("cluster", "nodes", "decisions", "decisions/s", "peak RSS (MB)"):
+        table.add_column(column, justify="right")
+    for name, row in figures.items():
+        table.add_row(name, f"{row['nodes']:,}", f"{row['decisions']:,}", f"{row['decisions_per_s']:,.0f}",
+                      f"{row['peak_rss_mb']:,.0f}")
+    out.print(table)
+
+
+def _fail(message: str) -> NoReturn:
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def main() -> None:
+    app(prog_name="gpuplane")
+
+
+if __name__ == "__main__":
+    main()
