@@ -21,7 +21,8 @@ from gpuplane.sim import (
 
 CATALOG = default_catalog()
 
-POD_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time"
+POD_HEADER = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+              "creation_time,deletion_time,scheduled_time")
 NODE_HEADER = "sn,cpu_milli,memory_mib,gpu,model"
 GOOD_POD = "pod-good,4000,8192,1,1000,,LS,Running,10,20,10"
 GOOD_NODE = "node-good,64000,262144,2,P100"

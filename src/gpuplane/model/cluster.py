@@ -28,6 +28,29 @@ from gpuplane.model.request import PodRequest
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
 
+CARD_ROW_ALIGN = 8
+_BYTE_SUM = np.uint64(0x0101010101010101)
+_TOP_BYTE = np.uint64(56)
+
+
+def row_any(mask: BoolArray) -> BoolArray:
+    """Per row, whether any flag is set. `mask` is C-contiguous with a width that is a multiple of 8."""
+    words = mask.view(np.uint64)
+    if words.shape[1] == 1:
+        single: BoolArray = words[:, 0] != 0
+        return single
+    out: BoolArray = (words != 0).any(axis=1)
+    return out
+
+
+def row_count(mask: BoolArray) -> IntArray:
+    """Per row, how many flags are set (same layout rule as `row_any`)."""
+    words = mask.view(np.uint64)
+    # Each byte is 0 or 1: multiplying by 0x0101…01 sums the eight bytes into the top byte.
+    counts = (words * _BYTE_SUM) >> _TOP_BYTE
+    out: IntArray = counts.sum(axis=1, dtype=np.int64) if words.shape[1] > 1 else counts[:, 0].astype(np.int64)
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -72,6 +95,7 @@ class ClusterState:
         self.workload_cards: dict[str, Counter[tuple[int, int]]] = {}
         self.nic_free: list[list[int]] = []
         self._allowed_cache: dict[frozenset[str] | None, BoolArray] = {}
+        self.tainted: set[int] = set()
         self._alloc(0, 0)
         for spec in nodes:
             self.add_node(spec)
@@ -117,7 +141,9 @@ class ClusterState:
         if n <= old_n and c <= old_c:
             return
         new_n = max(n, old_n * 2 if n > old_n else old_n)
-        new_c = max(c, old_c)
+        # Card rows are padded to a multiple of 8 so that a row of 8 bool flags reads as one uint64
+        # (see `row_any`/`row_count`): the per-node reductions then cost microseconds, not a ufunc reduce.
+        new_c = max(-(-c // CARD_ROW_ALIGN) * CARD_ROW_ALIGN, old_c)
         for name in self._NODE_ARRAYS:
             arr = getattr(self, name)
             grown = np.full(new_n, -1 if name == "model_idx" else 0, arr.dtype)
@@ -181,6 +207,8 @@ class ClusterState:
                 self.idle_cards[n] = 0
         self._set_pool(n, spec.pool)
         self.schedulable[n] = spec.schedulable
+        if spec.taints:
+            self.tainted.add(n)
         return n
 
     def _set_pool(self, n: int, pool: str) -> None:
@@ -200,17 +228,20 @@ class ClusterState:
         if spec.pool != old.pool:
             self._set_pool(n, spec.pool)
         self.schedulable[n] = spec.schedulable
+        if spec.taints:
+            self.tainted.add(n)
+        else:
+            self.tainted.discard(n)
 
     def pools_mask(self, pools: frozenset[str]) -> BoolArray:
         return np.fromiter((spec.pool in pools for spec in self.nodes), np.bool_, self.size)
 
     def taint_mask(self, request: PodRequest) -> BoolArray | None:
         """Nodes whose NoSchedule taints the pod tolerates; None when no node is tainted."""
-        tainted = [i for i, spec in enumerate(self.nodes) if spec.taints]
-        if not tainted:
+        if not self.tainted:
             return None
         mask = np.ones(self.size, np.bool_)
-        for i in tainted:
+        for i in self.tainted:
             mask[i] = all(request.tolerates(t.key, t.value) for t in self.nodes[i].taints
                           if t.effect in ("NoSchedule", "NoExecute"))
         return mask
@@ -398,6 +429,7 @@ class ClusterState:
         clone.mig_instances = {k: list(v) for k, v in self.mig_instances.items()}
         clone.workload_cards = {k: Counter(v) for k, v in self.workload_cards.items()}
         clone.nic_free = [list(v) for v in self.nic_free]
+        clone.tainted = set(self.tainted)
         clone._allowed_cache = dict(self._allowed_cache)
         return clone
 

@@ -23,6 +23,7 @@ from gpuplane.model import (
     RdmaShare,
     WholeCards,
 )
+from gpuplane.model.cluster import row_any, row_count
 from gpuplane.port import Status, aggregate_reasons
 
 T = TypeVar("T")
@@ -198,7 +199,7 @@ class Framework:
                     if gpu is None:
                         continue
                     np.logical_and(card_ok, check.passed, out=card_ok)
-                    fits = card_ok.sum(axis=1) >= need if need > 1 else card_ok.any(axis=1)
+                    fits = row_count(card_ok) >= need if need > 1 else row_any(card_ok)
                     failed = alive & ~fits
                 else:
                     failed = alive & ~check.passed
@@ -210,8 +211,6 @@ class Framework:
                     if not check.resolvable:
                         unresolvable.add(idx)
                 alive &= ~failed
-                if not alive.any():
-                    break
             if not alive.any():
                 break
         diagnosis = Diagnosis(reasons, reason_of, unresolvable) if reason_of is not None else None

@@ -35,15 +35,27 @@ class ResourceWeights:
         return np.array([self.gpu, self.cpu, self.memory], np.float64)
 
 
-def _vectors(pod: PodRequest, state: ClusterState, nodes: IntArray) -> tuple[IntArray, IntArray, IntArray]:
-    used = np.stack([
-        state.gpu_milli_used[nodes],
-        state.cpu_cap[nodes] - state.cpu_free[nodes],
-        state.mem_cap[nodes] - state.mem_free[nodes],
-    ])
-    capacity = np.stack([state.gpu_milli_cap[nodes], state.cpu_cap[nodes], state.mem_cap[nodes]])
-    request = np.array([pod.gpu_milli_total, pod.cpu_milli, pod.memory_mib], np.int64)[:, None]
-    return used, np.broadcast_to(request, used.shape), capacity
+def _vectors(pod: PodRequest, state: ClusterState, nodes: IntArray,
+             weights: FloatArray) -> tuple[IntArray, IntArray, IntArray, FloatArray]:
+    """(used, request, capacity, weights) over the dimensions whose weight is not zero."""
+    dims = np.flatnonzero(weights)
+    used_rows, request_rows, capacity_rows = [], [], []
+    for dim in dims:
+        if dim == 0:
+            used_rows.append(state.gpu_milli_used[nodes])
+            capacity_rows.append(state.gpu_milli_cap[nodes])
+            request_rows.append(pod.gpu_milli_total)
+        elif dim == 1:
+            used_rows.append(state.cpu_cap[nodes] - state.cpu_free[nodes])
+            capacity_rows.append(state.cpu_cap[nodes])
+            request_rows.append(pod.cpu_milli)
+        else:
+            used_rows.append(state.mem_cap[nodes] - state.mem_free[nodes])
+            capacity_rows.append(state.mem_cap[nodes])
+            request_rows.append(pod.memory_mib)
+    used = np.array(used_rows, np.int64)
+    request = np.array(request_rows, np.int64)[:, None]
+    return used, request, np.array(capacity_rows, np.int64), weights[dims]
 
 
 class BinpackScore:
@@ -52,10 +64,10 @@ class BinpackScore:
     name = "Binpack"
 
     def __init__(self, weights: ResourceWeights | None = None) -> None:
-        self.weights = weights or ResourceWeights()
+        self.weights = (weights or ResourceWeights()).array()
 
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        return most_allocated(*_vectors(pod, state, nodes), self.weights.array())
+        return most_allocated(*_vectors(pod, state, nodes, self.weights))
 
 
 class SpreadScore:
@@ -64,7 +76,7 @@ class SpreadScore:
     name = "Spread"
 
     def __init__(self, weights: ResourceWeights | None = None) -> None:
-        self.weights = weights or ResourceWeights()
+        self.weights = (weights or ResourceWeights()).array()
 
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        return least_allocated(*_vectors(pod, state, nodes), self.weights.array())
+        return least_allocated(*_vectors(pod, state, nodes, self.weights))
