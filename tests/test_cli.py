@@ -115,7 +115,8 @@ def test_explain_unknown_pod_fails() -> None:
 
 
 def _write_pods(path: Path, rows: list[str]) -> Path:
-    header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time"
+    header = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,"
+              "scheduled_time")
     path.write_text("\n".join([header, *rows]) + "\n")
     return path
 
@@ -139,7 +140,8 @@ def test_skip_bad_rows_reports_what_was_skipped(tmp_path: Path) -> None:
 
 
 def test_timed_mode_reports_waits(tmp_path: Path) -> None:
-    data = _simulate(tmp_path, "--trace", "gpushare100", "--mode", "timed", "--load", "1.2", "--seed", "3")
+    data = _simulate(tmp_path, "--trace", "gpushare100", "--mode", "timed", "--load", "1.2", "--seed", "3",
+                     "--hours", "3")
     assert data["mode"] == "timed"
     assert 0 < float(data["mean_allocation_pct"]) <= 100  # type: ignore[arg-type]
     assert float(data["wait_p95_s"]) >= float(data["wait_p50_s"]) >= 0  # type: ignore[arg-type]

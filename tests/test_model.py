@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -53,6 +54,10 @@ def mig(node_name: str, card: int, profile_id: int, start: int, model: str = "A1
     profile = card_model.mig_profiles[profile_id]
     return Assignment(node_name, (CardShare(card, card_model.mig_compute_milli(profile), profile.memory_mib,
                                             mig_profile=profile_id, mig_start=start),))
+
+
+A100_WHOLE_0 = CardShare(0, 1000, 40960, 0, 5, whole=True)
+"""Card 0 of an A100-40GB node, whole (for tables built before any state exists)."""
 
 
 def frac_pod(name: str, milli: int = 100) -> PodRequest:
@@ -389,7 +394,7 @@ def test_whole_cards_place_and_release() -> None:
     assert state.used_gpu_milli() == 2000
     assert sorted(state.card_used_milli().tolist()) == [0, 0, 1000, 1000]
     assert state.check(whole("n", 1, state=state), pod("b").whole(1).obj()) == "card 1 is not idle"
-    assert state.check(frac("n", 0, 1), frac_pod("c", 1)) == "card 0 lacks capacity"
+    assert state.check(frac("n", 0, 1), frac_pod("c", 1)) == "card 0 is held whole by another pod"
     assert state.check(mig("n", 0, 19, 0), mig_pod("d", 19)) == "card 0 has non-MIG holders"
     assert state.check_invariants() == []
     state.release("a")
@@ -433,14 +438,43 @@ def test_codec_accounting() -> None:
     (Assignment("n"), pod("x").mem(262145).obj(), "insufficient memory"),
     (frac("n", 2, 100), frac_pod("x"), "card 2 does not exist on n or is named twice"),
     (frac("n", -1, 100), frac_pod("x"), "card -1 does not exist on n or is named twice"),
-    (Assignment("n", (CardShare(0, 100, 0), CardShare(0, 100, 0))), frac_pod("x"),
+    # Only a whole-card request takes more than one share, so a card named twice needs one.
+    (Assignment("n", (A100_WHOLE_0, A100_WHOLE_0)), pod("x").whole(2).obj(),
      "card 0 does not exist on n or is named twice"),
     (frac("n", 0, 100), pod("x").fraction(100).models("T4").obj(), "GPU model mismatch"),
-    (frac("n", 0, 1001), frac_pod("x"), "card 0 lacks capacity"),
-    (frac("n", 0, 0, 40961), frac_pod("x"), "card 0 lacks capacity"),
+    (frac("n", 0, 0, 40961), pod("x").fraction(mem=40961).obj(), "card 0 lacks capacity"),
     (frac("n", 0, 0, enc=1), pod("x").fraction(enc=1).obj(), "card 0 lacks capacity"),  # A100: no NVENC
     (Assignment("n", rdma=RdmaShare(0, 1, RdmaLocality.REMOTE)), pod("x").rdma(1).obj(),
      "insufficient RDMA virtual functions"),
+    # The assignment must answer the request's form and RDMA ask (`_form_mismatch`).
+    (Assignment("n"), pod("x").rdma(1).obj(), "assignment's RDMA functions differ from the request"),
+    (Assignment("n", rdma=RdmaShare(0, 1, RdmaLocality.REMOTE)), pod("x").obj(),
+     "assignment's RDMA functions differ from the request"),
+    (Assignment("n", rdma=RdmaShare(0, 1, RdmaLocality.REMOTE)), pod("x").rdma(2).obj(),
+     "assignment's RDMA functions differ from the request"),
+    (frac("n", 0, 100), pod("x").obj(), "a CPU-only pod was given cards"),
+    (Assignment("n", (A100_WHOLE_0,)), pod("x").whole(2).obj(), "assignment does not hold 2 whole card(s)"),
+    (Assignment("n"), pod("x").whole(1).obj(), "assignment does not hold 1 whole card(s)"),
+    (frac("n", 0, 1000, 40960, dec=5), pod("x").whole(1).obj(), "assignment does not hold 1 whole card(s)"),
+    (Assignment("n", (CardShare(0, 500, 40960, 0, 5, whole=True),)), pod("x").whole(1).obj(),
+     "assignment does not hold 1 whole card(s)"),
+    (Assignment("n"), frac_pod("x"), "a fraction or MIG slice takes exactly one card"),
+    (Assignment("n", (CardShare(0, 100, 0), CardShare(1, 100, 0))), frac_pod("x"),
+     "a fraction or MIG slice takes exactly one card"),
+    (Assignment("n", mig("n", 0, 19, 0).cards + mig("n", 1, 19, 0).cards), mig_pod("x", 19),
+     "a fraction or MIG slice takes exactly one card"),
+    (mig("n", 0, 19, 0), mig_pod("x", 9), "assignment does not hold MIG profile 9"),
+    (mig("n", 0, 19, 0), pod("x").mig("3g.20gb").obj(), "assignment does not hold MIG profile '3g.20gb'"),
+    (frac("n", 0, 428, 19968), mig_pod("x", 9), "assignment does not hold MIG profile 9"),
+    (frac("n", 0, 200), frac_pod("x"), "assignment does not match the requested fraction"),
+    (Assignment("n", (CardShare(0, 100, 0, whole=True),)), frac_pod("x"),
+     "assignment does not match the requested fraction"),
+    (Assignment("n", (replace(mig("n", 0, 19, 0).cards[0], compute_milli=100),)), frac_pod("x"),
+     "assignment does not match the requested fraction"),
+    (frac("n", 0, 100, dec=1), frac_pod("x"), "assignment does not match the requested fraction"),
+    (frac("n", 0, 100, enc=1), pod("x").fraction(100, dec=1).obj(), "assignment does not match the requested fraction"),
+    (frac("n", 0, 100, 999), pod("x").fraction(100, mem=1000).obj(),
+     "assignment does not match the requested GPU memory"),
 ])
 def test_check_reasons(assignment: Assignment, request_: PodRequest, reason: str) -> None:
     state = cluster(node("n").gpus(2).obj())
@@ -448,6 +482,19 @@ def test_check_reasons(assignment: Assignment, request_: PodRequest, reason: str
     with pytest.raises(PlacementError, match=f"cannot place x on {assignment.node}: "):
         state.place(request_, assignment)
     assert state.bindings == {}
+    assert state.check_invariants() == []
+
+
+def test_compute_beyond_free_lacks_capacity() -> None:
+    # A fraction asks at most one card's compute, so compute runs short only on a card already shared.
+    state = cluster(node("n").gpus(2).obj())
+    state.place(frac_pod("busy", 1), frac("n", 0, 1))
+    x = frac_pod("x", 1000)
+    assert state.check(frac("n", 0, 1000), x) == "card 0 lacks capacity"
+    with pytest.raises(PlacementError, match="cannot place x on n: card 0 lacks capacity"):
+        state.place(x, frac("n", 0, 1000))
+    assert list(state.bindings) == ["busy"]
+    assert state.check(frac("n", 1, 1000), x) is None
     assert state.check_invariants() == []
 
 
@@ -562,8 +609,10 @@ def test_mig_mode_on_and_off() -> None:
     assert state.card_mig[0, 0] and state.idle_cards[0] == 0
     assert state.check(mig("off", 0, 9, 0), mig_pod("b", 9)) == "card 0 does not take MIG instances"
     assert state.mig_fits(1, 0, CAT.get("A100-40GB").mig_profiles[9]) == []
-    assert state.check(mig("t4", 0, 9, 0), mig_pod("b", 9)) == "card 0 has no MIG profile 9"
-    no_start = Assignment("on", (CardShare(0, 428, 100, mig_profile=9),))
+    # A model without the profile cannot answer the request at all: the form check names model and profile.
+    assert state.check(mig("t4", 0, 9, 0), mig_pod("b", 9)) == "GPU model T4 has no MIG profile 9"
+    h100_3g = CAT.get("H100-80GB").mig_profiles[9]
+    no_start = Assignment("on", (CardShare(0, 428, h100_3g.memory_mib, mig_profile=9),))  # 3 of 7 slices → 428
     assert state.check(no_start, mig_pod("b", 9)) == "card 0 has no MIG profile 9"
     assert state.check_invariants() == []
 
@@ -596,6 +645,77 @@ def test_pool_change_moves_capacity() -> None:
     assert state.check_invariants() == []
 
 
+def test_card_held_whole_rejects_every_other_share() -> None:
+    state = cluster(node("n").gpus(2).obj())
+    state.place(pod("a").whole(1).obj(), whole("n", 0, state=state))
+    memory_only = pod("b").fraction(mem=1000).obj()
+    assert state.check(frac("n", 0, 0, 1000), memory_only) == "card 0 is held whole by another pod"
+    assert state.check(frac("n", 0, 0, dec=1), pod("b").fraction(dec=1).obj()) == (
+        "card 0 is held whole by another pod")
+    assert state.check(frac("n", 1, 0, 1000), memory_only) is None
+    assert state.check_invariants() == []
+
+
+def test_whole_card_stays_taken_when_oversell_rises() -> None:
+    state = cluster(node("n").gpus(2).obj(), pools={"dev": PoolConfig(memory_oversell=2.0)})
+    state.place(pod("a").whole(1).obj(), whole("n", 0, state=state))
+    state.update_node(node("n").gpus(2).pool("dev").obj())
+    assert state.card_mem_cap[0, :2].tolist() == [81920, 81920]
+    assert state.card_mem_free[0, :2].tolist() == [0, 81920]
+    # The raised capacity of a card held whole is not up for grabs, not even by a memory-only fraction.
+    memory_only = pod("b").fraction(mem=1000).obj()
+    assert state.check(frac("n", 0, 0, 1000), memory_only) == "card 0 is held whole by another pod"
+    assert state.check(frac("n", 1, 0, 1000), memory_only) is None
+    assert state.check_invariants() == []
+    # Release after the change gives back the new capacity, not the memory the share was placed with.
+    state.release("a")
+    assert (state.card_mem_cap[0, 0], state.card_mem_free[0, 0]) == (81920, 81920)
+    assert state.idle_cards[0] == 2
+    assert state.check(frac("n", 0, 0, 1000), memory_only) is None
+    assert state.check_invariants() == []
+
+
+def test_whole_card_stays_taken_when_oversell_falls() -> None:
+    state = cluster(node("n").gpus(1).pool("dev").obj(), pools={"dev": PoolConfig(memory_oversell=2.0)})
+    state.place(pod("a").whole(1).obj(), whole("n", 0, state=state))
+    assert state.bindings["a"].assignment.cards[0].memory_mib == 81920
+    # A card held whole promises no fractional memory, so shrinking its pool is allowed.
+    state.update_node(node("n").gpus(1).obj())
+    assert (state.card_mem_cap[0, 0], state.card_mem_free[0, 0]) == (40960, 0)
+    assert state.check_invariants() == []
+    state.release("a")
+    assert (state.card_mem_cap[0, 0], state.card_mem_free[0, 0]) == (40960, 40960)
+    assert state.check_invariants() == []
+
+
+def test_pool_change_below_promised_memory_is_refused() -> None:
+    pools = {"dev": PoolConfig(memory_oversell=2.0), "mid": PoolConfig(memory_oversell=1.5)}
+    spec = node("n").gpus(2).pool("dev").obj()
+    state = cluster(spec, pools=pools)
+    state.place(frac_pod("a", 100), frac("n", 0, 100))
+    state.place(pod("b").fraction(100, mem=70000).obj(), frac("n", 1, 100, 70000))
+    before = state.fingerprint()
+    with pytest.raises(NodeSpecError, match=r"^node n: pool 'mid' would leave card 1 70000 MiB promised "
+                                            r"on 61440 MiB$"):
+        state.update_node(node("n").gpus(2).pool("mid").unschedulable().taint("k").obj())
+    assert state.nodes[0] == spec
+    assert state.fingerprint() == before
+    assert state.card_mem_cap[0, :2].tolist() == [81920, 81920]
+    assert state.card_mem_free[0, :2].tolist() == [81920, 11920]
+    assert state.schedulable[0] and not state.tainted
+    with pytest.raises(NodeSpecError, match="would leave card 1 70000 MiB promised on 40960 MiB"):
+        state.update_node(node("n").gpus(2).obj())
+    assert state.nodes[0] == spec and state.fingerprint() == before
+    # Once the promise fits, the same change goes through and keeps what is promised.
+    state.release("b")
+    state.place(pod("c").fraction(100, mem=30000).obj(), frac("n", 1, 100, 30000))
+    state.update_node(node("n").gpus(2).pool("mid").obj())
+    assert state.nodes[0].pool == "mid"
+    assert state.card_mem_cap[0, :2].tolist() == [61440, 61440]
+    assert state.card_mem_free[0, :2].tolist() == [61440, 31440]
+    assert state.check_invariants() == []
+
+
 def test_rdma_accounting() -> None:
     spec = node("n").gpus(2).nic("mlx0", switch=0, numa=0, vfs=4).nic("mlx1", switch=1, numa=1, vfs=2).obj()
     state = cluster(spec)
@@ -607,7 +727,7 @@ def test_rdma_accounting() -> None:
     two = pod("b").rdma(2).obj()
     assert state.check(Assignment("n", rdma=RdmaShare(0, 2, RdmaLocality.NUMA)), two) == (
         "insufficient RDMA virtual functions")
-    assert state.check(Assignment("n", rdma=RdmaShare(2, 1, RdmaLocality.NUMA)), two) == (
+    assert state.check(Assignment("n", rdma=RdmaShare(2, 2, RdmaLocality.NUMA)), two) == (
         "insufficient RDMA virtual functions")
     assert state.check(Assignment("n", rdma=RdmaShare(1, 2, RdmaLocality.NUMA)), two) is None
     state.release("a")

@@ -127,8 +127,10 @@ def _summary_json(result: SimulationResult, report: Path | None) -> dict[str, An
         data |= {
             "allocation_at_100": None,
             "allocation_at_130": None,
-            "mean_allocation_pct": round(float(np.mean(result.series.allocation_pct)), 3),
-            "mean_utilisation_pct": round(float(np.mean(result.series.utilisation_pct)), 3),
+            "mean_allocation_pct": round(result.window_mean(result.series.allocation_pct), 3),
+            "mean_utilisation_pct": round(result.window_mean(result.series.utilisation_pct), 3),
+            "mean_occupied_cards_pct": round(result.window_mean(result.series.occupied_cards_pct), 3),
+            "window_s": [round(t, 1) for t in result.window_s],
             "peak_allocation_pct": round(max(result.series.allocation_pct), 3),
             "wait_p50_s": round(float(np.percentile(waits, 50)), 1),
             "wait_p95_s": round(float(np.percentile(waits, 95)), 1),
@@ -211,9 +213,9 @@ LoadOpt = Annotated[float, typer.Option(help="timed mode: offered GPU load as a 
 ArrivalOpt = Annotated[str, typer.Option(help="timed mode: poisson or trace (the trace's creation times)")]
 
 
-def _timed_config(load: float, arrival: str) -> TimedConfig:
+def _timed_config(load: float, arrival: str, hours: float) -> TimedConfig:
     try:
-        return TimedConfig(arrival=arrival, load=load)
+        return TimedConfig(arrival=arrival, load=load, hours=hours)
     except ValueError as exc:
         raise GpuplaneError(str(exc)) from None
 
@@ -237,6 +239,7 @@ def simulate(
     skip_bad_rows: SkipOpt = False,
     load: LoadOpt = 0.9,
     arrival: ArrivalOpt = "poisson",
+    hours: Annotated[float, typer.Option(help="timed mode: arrival horizon in virtual hours")] = 8.0,
 ) -> None:
     """Replay a trace on the simulated cluster, print a summary and write DIR/report.html."""
     try:
@@ -245,7 +248,7 @@ def simulate(
         _fail(f"--mode: choose fill or timed, got {mode!r}")
     try:
         inputs = _load(trace, nodes, skip_bad_rows)
-        timed = _timed_config(load, arrival)
+        timed = _timed_config(load, arrival, hours)
         configs = [_policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)]
         configs += [_policy(p, p, card_only_one_scope, topo, inputs.nodes) for p in compare or []]
         results = [_run(inputs, c, replay_mode, seed, record=placements is not None and i == 0, why=why or [],

@@ -23,7 +23,7 @@ from gpuplane.model.assignment import Assignment, CardShare
 from gpuplane.model.catalog import MILLI_PER_CARD, CardModel, Catalog, MigProfile
 from gpuplane.model.errors import NodeSpecError, PlacementError
 from gpuplane.model.node import MigMode, NodeSpec
-from gpuplane.model.request import PodRequest
+from gpuplane.model.request import MigSlice, PodRequest, WholeCards
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
@@ -79,6 +79,37 @@ class Binding:
     assignment: Assignment
 
 
+def _form_mismatch(request: PodRequest, assignment: Assignment, model: CardModel | None) -> str | None:
+    """Why the assignment's shape does not answer the request's GPU form and RDMA ask, or None."""
+    gpu, cards = request.gpu, assignment.cards
+    if request.rdma_vfs != (assignment.rdma.vfs if assignment.rdma is not None else 0):
+        return "assignment's RDMA functions differ from the request"
+    if gpu is None:
+        return "a CPU-only pod was given cards" if cards else None
+    if isinstance(gpu, WholeCards):
+        if len(cards) != gpu.count or not all(s.whole and s.compute_milli == MILLI_PER_CARD for s in cards):
+            return f"assignment does not hold {gpu.count} whole card(s)"
+        return None
+    if len(cards) != 1:
+        return "a fraction or MIG slice takes exactly one card"
+    share = cards[0]
+    if isinstance(gpu, MigSlice):
+        profile = model.mig_profile(gpu.profile) if model is not None else None
+        if model is None or profile is None:
+            return f"GPU model {model.name if model else 'none'} has no MIG profile {gpu.profile!r}"
+        if share.mig_profile != profile.profile_id or share.compute_milli != model.mig_compute_milli(profile) \
+                or share.memory_mib != profile.memory_mib:
+            return f"assignment does not hold MIG profile {gpu.profile!r}"
+        return None
+    if share.whole or share.mig_profile is not None or share.compute_milli != gpu.compute_milli \
+            or (share.encoders, share.decoders) != (gpu.encoders, gpu.decoders):
+        return "assignment does not match the requested fraction"
+    memory = gpu.memory_on(model.memory_mib) if model is not None else gpu.memory_mib
+    if (gpu.memory_mib or gpu.memory_pct) and share.memory_mib != memory:
+        return "assignment does not match the requested GPU memory"
+    return None
+
+
 class ClusterState:
     """Mutable, authoritative-for-its-owner accounting of a cluster's free capacity."""
 
@@ -129,12 +160,14 @@ class ClusterState:
         self.card_mig_slots = np.zeros((n, c), np.int64)
         self.card_mig_compute = np.zeros((n, c), np.int64)
         self.card_mig_me = np.zeros((n, c), np.bool_)
+        self.card_whole = np.zeros((n, c), np.bool_)
 
     _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
                     "gpu_milli_used", "idle_cards", "rdma_max_free")
     _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
                     "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
-                    "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me")
+                    "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me",
+                    "card_whole")
 
     def _grow(self, n: int, c: int) -> None:
         old_n, old_c = len(self.cpu_cap), self.width
@@ -212,10 +245,18 @@ class ClusterState:
         return n
 
     def _set_pool(self, n: int, pool: str) -> None:
+        """Apply the pool's memory oversell to node n's cards. Refuses to shrink below promised memory."""
         ratio = self.pools.get(pool, PoolConfig()).memory_oversell
         g = self.nodes[n].gpus
         new_cap = (self.card_mem_phys[n, :g] * ratio).astype(np.int64)
-        self.card_mem_free[n, :g] += new_cap - self.card_mem_cap[n, :g]
+        whole = self.card_whole[n, :g]
+        used = np.where(whole, 0, self.card_mem_cap[n, :g] - self.card_mem_free[n, :g])
+        if (used > new_cap).any():
+            card = int(np.flatnonzero(used > new_cap)[0])
+            raise NodeSpecError(f"node {self.nodes[n].name}: pool {pool!r} would leave card {card} "
+                                f"{int(used[card])} MiB promised on {int(new_cap[card])} MiB")
+        # A card held whole stays fully taken whatever its capacity; release gives it all back.
+        self.card_mem_free[n, :g] = np.where(whole, 0, new_cap - used)
         self.card_mem_cap[n, :g] = new_cap
 
     def update_node(self, spec: NodeSpec) -> None:
@@ -224,9 +265,14 @@ class ClusterState:
         old = self.nodes[n]
         if (spec.gpus, spec.cpu_milli, spec.memory_mib) != (old.gpus, old.cpu_milli, old.memory_mib):
             raise NodeSpecError(f"node {spec.name}: capacity changes need the node removed and added again")
-        self.nodes[n] = spec.with_changes(gpu_model=old.gpu_model)
         if spec.pool != old.pool:
-            self._set_pool(n, spec.pool)
+            self.nodes[n] = spec
+            try:
+                self._set_pool(n, spec.pool)
+            except NodeSpecError:
+                self.nodes[n] = old
+                raise
+        self.nodes[n] = spec.with_changes(gpu_model=old.gpu_model)
         self.schedulable[n] = spec.schedulable
         if spec.taints:
             self.tainted.add(n)
@@ -268,6 +314,9 @@ class ClusterState:
             return "insufficient memory"
         spec = self.nodes[n]
         model = self.model_of(n)
+        mismatch = _form_mismatch(request, assignment, model)
+        if mismatch is not None:
+            return mismatch
         seen: set[int] = set()
         for share in assignment.cards:
             c = share.card
@@ -285,6 +334,8 @@ class ClusterState:
                 return f"card {c} is in MIG mode"
             if share.whole and self.card_holders[n, c]:
                 return f"card {c} is not idle"
+            if self.card_whole[n, c]:
+                return f"card {c} is held whole by another pod"
             if (self.card_milli_free[n, c] < share.compute_milli or self.card_mem_free[n, c] < share.memory_mib
                     or self.card_enc_free[n, c] < share.encoders or self.card_dec_free[n, c] < share.decoders):
                 return f"card {c} lacks capacity"
@@ -334,6 +385,9 @@ class ClusterState:
             self.card_enc_free[n, c] -= share.encoders
             self.card_dec_free[n, c] -= share.decoders
             self.gpu_milli_used[n] += share.compute_milli
+            if share.whole:
+                self.card_whole[n, c] = True
+                self.card_mem_free[n, c] = 0
             if share.mig_profile is not None and share.mig_start is not None:
                 self._place_mig(n, c, request.name, share.mig_profile, share.mig_start)
             if workload is not None:
@@ -369,6 +423,9 @@ class ClusterState:
             self.card_enc_free[n, c] += share.encoders
             self.card_dec_free[n, c] += share.decoders
             self.gpu_milli_used[n] -= share.compute_milli
+            if share.whole:
+                self.card_whole[n, c] = False
+                self.card_mem_free[n, c] = self.card_mem_cap[n, c]
             if share.mig_profile is not None and share.mig_start is not None:
                 self._release_mig(n, c, pod, share.mig_profile, share.mig_start)
             if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:

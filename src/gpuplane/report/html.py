@@ -136,8 +136,11 @@ def summary_rows(result: SimulationResult) -> list[tuple[str, str]]:
     elif result.series is not None and result.series.allocation_pct:
         waits = np.asarray(result.waits_s) if result.waits_s else np.zeros(1)
         rows += [
-            ("mean allocation / utilisation",
-             f"{np.mean(result.series.allocation_pct):.2f} % / {np.mean(result.series.utilisation_pct):.2f} %"),
+            ("measurement window (after warm-up)",
+             f"{result.window_s[0] / 3600:.1f} h – {result.window_s[1] / 3600:.1f} h"),
+            ("mean allocation / utilisation in the window",
+             f"{result.window_mean(result.series.allocation_pct):.2f} % / "
+             f"{result.window_mean(result.series.utilisation_pct):.2f} %"),
             ("peak allocation", f"{max(result.series.allocation_pct):.2f} %"),
             ("wait p50 / p95 / max", f"{np.percentile(waits, 50):.0f} s / {np.percentile(waits, 95):.0f} s / "
                                      f"{waits.max():.0f} s"),

@@ -21,16 +21,50 @@ class QueuedPod:
     request: PodRequest
     enqueued_at: float
     attempts: int = 0
+    hint_node: int = -1
+    """The node whose freed capacity reactivated this pod (-1: not reactivated by a node)."""
+    order: int = -1
+    """Arrival order in the queue, fixed at `add`: ties in priority go to the pod that came first."""
     seq: int = -1
     """Sequence number of this entry's live heap item; older heap items for the same name are stale."""
 
 
+ShapeKey = tuple[object, ...]
+
+
+def shape_key(request: PodRequest) -> ShapeKey:
+    """What decides where a pod fits: everything but its name, priority and QoS."""
+    return (request.cpu_milli, request.memory_mib, request.gpu, request.models, request.rdma_vfs, request.pools,
+            request.tolerations, request.workload, request.instance, request.gang)
+
+
+_UNBOUNDED = np.iinfo(np.int64).max // 4
+
+
 class SchedulingQueue:
+    """Active pods in a heap by (priority, arrival); parked pods grouped by shape.
+
+    A parked pod is not retried until capacity frees somewhere it could use. Pods of one shape fit the
+    same places, so a freed node reactivates, per shape, at most as many pods as it could hold (an
+    over-estimate: models, taints, codecs and MIG slots are left to the real filters). One vectorised
+    pass over the shapes costs microseconds however many pods wait.
+    """
+
     def __init__(self) -> None:
-        self._active: list[tuple[int, int, str]] = []
+        self._active: list[tuple[int, int, int, str]] = []
         self._pods: dict[str, QueuedPod] = {}
         self._parked: dict[str, QueuedPod] = {}
         self._seq = itertools.count()
+        self._group_of: dict[ShapeKey, int] = {}
+        self._group_heaps: list[list[tuple[int, int, int, str]]] = []
+        self._group_live = np.zeros(0, np.int64)
+        self._group_cpu = np.zeros(0, np.int64)
+        self._group_mem = np.zeros(0, np.int64)
+        self._group_whole = np.zeros(0, np.int64)
+        self._group_milli = np.zeros(0, np.int64)
+        self._group_gpu_mem = np.zeros(0, np.int64)
+        self._group_unbounded_gpu = np.zeros(0, np.bool_)
+        self._entry_group: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._pods) + len(self._parked)
@@ -49,7 +83,7 @@ class SchedulingQueue:
 
     def pop(self) -> QueuedPod | None:
         while self._active:
-            _, seq, name = heapq.heappop(self._active)
+            _, _, seq, name = heapq.heappop(self._active)
             entry = self._pods.get(name)
             if entry is not None and entry.seq == seq:
                 del self._pods[name]
@@ -58,45 +92,172 @@ class SchedulingQueue:
         return None
 
     def park(self, entry: QueuedPod) -> None:
+        group = self._group(entry.request)
+        entry.seq = next(self._seq)
         self._parked[entry.request.name] = entry
+        self._entry_group[entry.request.name] = group
+        heapq.heappush(self._group_heaps[group],
+                       (-entry.request.priority, entry.order, entry.seq, entry.request.name))
+        self._group_live[group] += 1
 
     def remove(self, name: str) -> None:
         self._pods.pop(name, None)
-        self._parked.pop(name, None)
+        if self._parked.pop(name, None) is not None:
+            self._group_live[self._entry_group.pop(name)] -= 1
 
     def activate_all(self) -> int:
         """Move every parked pod back (a node was added or changed)."""
         moved = list(self._parked.values())
         self._parked.clear()
+        self._entry_group.clear()
+        for heap in self._group_heaps:
+            heap.clear()
+        self._group_live[:] = 0
         for entry in moved:
             self._requeue(entry)
         return len(moved)
 
     def activate_for_node(self, state: ClusterState, node: int) -> int:
-        """Move back the parked pods that `node`'s free capacity could now satisfy."""
+        """Move back the parked pods that `node`'s free capacity could hold, in queue order.
+
+        A vectorised bound per shape picks the shapes worth a look; then the heads of those shapes are
+        taken in (priority, arrival) order against a running budget of the node's free capacity, and a
+        shape is dropped at its first pod that no longer fits (its later pods are the same shape).
+        """
         if not self._parked:
             return 0
-        entries = list(self._parked.values())
-        reqs = [e.request for e in entries]
-        cpu = np.fromiter((r.cpu_milli for r in reqs), np.int64, len(reqs))
-        mem = np.fromiter((r.memory_mib for r in reqs), np.int64, len(reqs))
-        whole = np.fromiter((r.gpu.count if isinstance(r.gpu, WholeCards) else 0 for r in reqs), np.int64, len(reqs))
-        milli = np.fromiter((r.gpu.compute_milli if isinstance(r.gpu, Fraction) else 0 for r in reqs), np.int64,
-                            len(reqs))
-        is_mig = np.fromiter((isinstance(r.gpu, MigSlice) for r in reqs), np.bool_, len(reqs))
-        plain = state.card_valid[node] & ~state.card_mig[node]
-        best_share = int(state.card_milli_free[node][plain].max()) if plain.any() else -1
-        maybe = (cpu <= state.cpu_free[node]) & (mem <= state.mem_free[node])
-        maybe &= (whole <= state.idle_cards[node]) & ((milli == 0) | (milli <= best_share) | is_mig)
+        live = np.flatnonzero(self._group_live > 0)
+        room = self._room(state, node, live)
+        heads: list[tuple[int, int, int]] = []
+        for group in live[room > 0]:
+            head = self._head(int(group))
+            if head is not None:
+                heads.append((head[0], head[1], int(group)))
+        heapq.heapify(heads)
+        budget = _Budget(state, node)
         moved = 0
-        for entry, ok in zip(entries, maybe, strict=True):
-            if ok:
-                del self._parked[entry.request.name]
-                self._requeue(entry)
-                moved += 1
+        while heads:
+            _, _, group = heapq.heappop(heads)
+            if not budget.take(self, group):
+                continue
+            name = heapq.heappop(self._group_heaps[group])[3]
+            entry = self._parked.pop(name)
+            del self._entry_group[name]
+            self._group_live[group] -= 1
+            entry.hint_node = node
+            self._requeue(entry)
+            moved += 1
+            head = self._head(group)
+            if head is not None:
+                heapq.heappush(heads, (head[0], head[1], group))
         return moved
+
+    def _head(self, group: int) -> tuple[int, int] | None:
+        """(−priority, arrival order) of the group's first live entry, dropping stale heap items."""
+        heap = self._group_heaps[group]
+        while heap:
+            priority, order, seq, name = heap[0]
+            entry = self._parked.get(name)
+            if entry is not None and entry.seq == seq:
+                return priority, order
+            heapq.heappop(heap)
+        return None
+
+    def _room(self, state: ClusterState, node: int, groups: np.ndarray) -> np.ndarray:
+        """Per group, an upper bound on how many of its pods `node` could take now."""
+        cpu, mem = self._group_cpu[groups], self._group_mem[groups]
+        room = np.full(len(groups), _UNBOUNDED, np.int64)
+        np.minimum(room, np.where(cpu > 0, state.cpu_free[node] // np.maximum(cpu, 1), _UNBOUNDED), out=room)
+        np.minimum(room, np.where(mem > 0, state.mem_free[node] // np.maximum(mem, 1), _UNBOUNDED), out=room)
+        whole = self._group_whole[groups]
+        np.minimum(room, np.where(whole > 0, state.idle_cards[node] // np.maximum(whole, 1), _UNBOUNDED), out=room)
+        milli, gpu_mem = self._group_milli[groups], self._group_gpu_mem[groups]
+        fraction = (milli > 0) | (gpu_mem > 0)
+        if fraction.any():
+            plain = state.card_valid[node] & ~state.card_mig[node] & ~state.card_whole[node]
+            free_milli = state.card_milli_free[node][plain]
+            free_mem = state.card_mem_free[node][plain]
+            per_card = np.full((len(groups), len(free_milli)), _UNBOUNDED, np.int64)
+            by_milli = free_milli[None, :] // np.maximum(milli, 1)[:, None]
+            by_mem = free_mem[None, :] // np.maximum(gpu_mem, 1)[:, None]
+            per_card = np.where((milli > 0)[:, None], np.minimum(per_card, by_milli), per_card)
+            per_card = np.where((gpu_mem > 0)[:, None], np.minimum(per_card, by_mem), per_card)
+            slots = np.minimum(per_card, len(groups) + 1024).sum(axis=1) if len(free_milli) else \
+                np.zeros(len(groups), np.int64)
+            np.minimum(room, np.where(fraction, slots, _UNBOUNDED), out=room)
+        room[self._group_unbounded_gpu[groups]] = np.maximum(room[self._group_unbounded_gpu[groups]], 1)
+        return room
+
+    def _group(self, request: PodRequest) -> int:
+        key = shape_key(request)
+        group = self._group_of.get(key)
+        if group is not None:
+            return group
+        group = len(self._group_heaps)
+        self._group_of[key] = group
+        self._group_heaps.append([])
+        gpu = request.gpu
+        values = (
+            request.cpu_milli,
+            request.memory_mib,
+            gpu.count if isinstance(gpu, WholeCards) else 0,
+            gpu.compute_milli if isinstance(gpu, Fraction) else 0,
+            gpu.memory_mib if isinstance(gpu, Fraction) else 0,
+        )
+        self._group_live = np.append(self._group_live, 0)
+        for name, value in zip(("cpu", "mem", "whole", "milli", "gpu_mem"), values, strict=True):
+            setattr(self, f"_group_{name}", np.append(getattr(self, f"_group_{name}"), value))
+        # MIG slices and codec- or percent-only fractions: let at least one through to the real filters.
+        unbounded = isinstance(gpu, MigSlice) or (isinstance(gpu, Fraction) and not gpu.compute_milli
+                                                  and not gpu.memory_mib)
+        self._group_unbounded_gpu = np.append(self._group_unbounded_gpu, unbounded)
+        return group
+
+    def shape(self, group: int) -> tuple[int, int, int, int, int, bool]:
+        """(cpu, memory, whole cards, milli, GPU memory, unbounded) of a group's pods."""
+        return (int(self._group_cpu[group]), int(self._group_mem[group]), int(self._group_whole[group]),
+                int(self._group_milli[group]), int(self._group_gpu_mem[group]),
+                bool(self._group_unbounded_gpu[group]))
 
     def _requeue(self, entry: QueuedPod) -> None:
         entry.seq = next(self._seq)
+        if entry.order < 0:
+            entry.order = entry.seq
         self._pods[entry.request.name] = entry
-        heapq.heappush(self._active, (-entry.request.priority, entry.seq, entry.request.name))
+        heapq.heappush(self._active, (-entry.request.priority, entry.order, entry.seq, entry.request.name))
+
+
+class _Budget:
+    """A node's free capacity, consumed as parked pods are reactivated against it."""
+
+    def __init__(self, state: ClusterState, node: int) -> None:
+        self.cpu = int(state.cpu_free[node])
+        self.mem = int(state.mem_free[node])
+        self.idle = int(state.idle_cards[node])
+        plain = state.card_valid[node] & ~state.card_mig[node] & ~state.card_whole[node]
+        self.cards = [[int(m), int(g)] for m, g in zip(state.card_milli_free[node][plain],
+                                                        state.card_mem_free[node][plain], strict=True)]
+        self.unbounded_taken: set[int] = set()
+
+    def take(self, queue: SchedulingQueue, group: int) -> bool:
+        cpu, mem, whole, milli, gpu_mem, unbounded = queue.shape(group)
+        if cpu > self.cpu or mem > self.mem or whole > self.idle:
+            return False
+        card: list[int] | None = None
+        if milli or gpu_mem:
+            fitting = [c for c in self.cards if c[0] >= milli and c[1] >= gpu_mem]
+            if not fitting:
+                return False
+            card = min(fitting, key=lambda c: (c[0] - milli, c[1] - gpu_mem))
+        elif unbounded:
+            # MIG slices and codec-only fractions: one per shape goes through to the real filters.
+            if group in self.unbounded_taken:
+                return False
+            self.unbounded_taken.add(group)
+        self.cpu -= cpu
+        self.mem -= mem
+        self.idle -= whole
+        if card is not None:
+            card[0] -= milli
+            card[1] -= gpu_mem
+        return True

@@ -94,11 +94,26 @@ class Scheduler:
         `on_outcome` may return False to drop a failed pod instead of parking it (fill replays).
         """
         outcomes: list[Outcome] = []
+        # Nodes whose freed capacity reactivated a pod that then went elsewhere (or nowhere): the
+        # reactivation budget assumed that pod would use the node, so look at the node once more.
+        recheck: set[int] = set()
+        rechecked: set[int] = set()
         while True:
             entry: QueuedPod | None = self.queue.pop()
             if entry is None:
-                return outcomes
+                pending = recheck - rechecked
+                if not pending:
+                    return outcomes
+                rechecked |= pending
+                recheck.clear()
+                for node in sorted(pending):
+                    if node < self.state.size:
+                        self.queue.activate_for_node(self.state, node)
+                continue
+            hint, entry.hint_node = entry.hint_node, -1
             decision = self.schedule_one(entry.request)
+            if hint >= 0 and decision.node != hint:
+                recheck.add(hint)
             outcome = Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at)
             outcomes.append(outcome)
             keep = on_outcome(outcome) if on_outcome is not None else True

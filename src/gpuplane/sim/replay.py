@@ -84,6 +84,8 @@ class SimulationResult:
     series: TimeSeries | None = None
     waits_s: list[float] = field(default_factory=list)
     never_placed: int = 0
+    window_s: tuple[float, float] = (0.0, 0.0)
+    """Timed replays: the measurement window (after warm-up, up to the last arrival)."""
 
     @property
     def failed(self) -> int:
@@ -102,6 +104,16 @@ class SimulationResult:
 
     def unallocated_at(self, arrived: float) -> float:
         return 100.0 - self.allocation_at(arrived)
+
+    def window_mean(self, values: Sequence[float]) -> float:
+        """Mean of a timed series over the measurement window (all samples if the window is empty)."""
+        if self.series is None or not values:
+            return 0.0
+        times = np.asarray(self.series.time_s)
+        start, end = self.window_s
+        inside = (times >= start) & (times <= end)
+        chosen = np.asarray(values)[inside] if inside.any() else np.asarray(values)
+        return float(chosen.mean())
 
 
 def tune_workload(pods: Sequence[PodRequest], capacity_milli: int, seed: int, target: float = 1.3) -> list[PodRequest]:
@@ -217,8 +229,14 @@ class TimedConfig:
     """`poisson`: exponential gaps at a rate set for `load`; `trace`: the trace's own creation times."""
     load: float = 0.9
     """Target offered GPU load, as a share of cluster GPU capacity (Little's law on mean lifetimes)."""
+    hours: float = 8.0
+    """Arrival horizon (poisson): pods arrive for this long, the trace in shuffled order and then drawn
+    again with replacement. The trace alone spans about one mean lifetime at 90 % load, too short to
+    reach a steady state."""
     min_duration_s: float = 60.0
-    max_duration_s: float = 86400.0
+    max_duration_s: float = 7200.0
+    warmup_hours: float = 2.0
+    """Left out of the summary figures while the cluster fills up (about the longest lifetime)."""
     sample_every_s: float = 300.0
     utilisation: tuple[tuple[QoS, float, float], ...] = (
         (QoS.ONLINE, 0.2, 0.6), (QoS.OFFLINE, 0.6, 0.95), (QoS.BEST_EFFORT, 0.3, 0.9))
@@ -230,6 +248,10 @@ class TimedConfig:
             raise ValueError(f"arrival: choose poisson or trace, got {self.arrival!r}")
         if not 0 < self.load <= 10:
             raise ValueError(f"load: must be within (0, 10], got {self.load}")
+        if self.hours <= 0:
+            raise ValueError(f"hours: must be positive, got {self.hours}")
+        if not 0 <= self.warmup_hours < self.hours:
+            raise ValueError(f"warmup_hours: must be within [0, hours), got {self.warmup_hours}")
         if not 0 < self.min_duration_s <= self.max_duration_s:
             raise ValueError("min_duration_s must be positive and at most max_duration_s")
         if self.sample_every_s <= 0:
@@ -249,20 +271,31 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
     capacity = cluster.state.total_gpu_milli()
     result = SimulationResult(ReplayMode.TIMED, trace, profile.name, seed, cluster.state.size,
                               capacity // MILLI_PER_CARD)
-    order = [pods[i] for i in rng.permutation(len(pods))] if config.arrival == "poisson" else \
-        sorted(pods, key=lambda p: (p.creation_time or 0.0, p.line))
-    lifetimes = np.array([p.lifetime if p.lifetime is not None else np.nan for p in order], np.float64)
-    median = float(np.nanmedian(lifetimes)) if np.isfinite(lifetimes).any() else 600.0
-    durations = np.clip(np.where(np.isfinite(lifetimes), lifetimes, median), config.min_duration_s,
-                        config.max_duration_s)
-    demand = np.array([p.request.gpu_milli_total for p in order], np.float64)
+    def clipped(group: Sequence[TracePod]) -> npt.NDArray[np.float64]:
+        lifetimes = np.array([p.lifetime if p.lifetime is not None else np.nan for p in group], np.float64)
+        median = float(np.nanmedian(lifetimes)) if np.isfinite(lifetimes).any() else 600.0
+        return np.clip(np.where(np.isfinite(lifetimes), lifetimes, median), config.min_duration_s,
+                       config.max_duration_s)
+
     if config.arrival == "poisson":
-        mean_work = float((demand * durations).mean())
+        work = np.array([p.request.gpu_milli_total for p in pods], np.float64) * clipped(pods)
+        mean_work = float(work.mean())
         rate = config.load * capacity / mean_work if mean_work > 0 else 1.0
-        arrivals = np.cumsum(rng.exponential(1.0 / rate, len(order)))
+        horizon = config.hours * 3600.0
+        count = max(1, int(rate * horizon * 1.2) + 16)
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, count))
+        arrivals = arrivals[arrivals <= horizon]
+        order = [pods[i] for i in rng.permutation(len(pods))][: len(arrivals)]
+        for k in range(len(arrivals) - len(order)):
+            source = pods[int(rng.integers(len(pods)))]
+            order.append(replace(source, request=replace(source.request, name=f"{source.request.name}-r{k}")))
+        window = (config.warmup_hours * 3600.0, horizon)
     else:
+        order = sorted(pods, key=lambda p: (p.creation_time or 0.0, p.line))
         origin = min((p.creation_time or 0.0) for p in order)
         arrivals = np.array([(p.creation_time or origin) - origin for p in order], np.float64)
+        window = (0.0, float(arrivals[-1]) if len(arrivals) else 0.0)
+    durations = clipped(order)
     ranges = {qos: (lo, hi) for qos, lo, hi in config.utilisation}
     busy_share = np.array([rng.uniform(*ranges.get(p.request.qos, (0.5, 0.5))) for p in order])
     index_of = {p.request.name: i for i, p in enumerate(order)}
@@ -336,6 +369,7 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
     if result.never_placed:
         result.failed_by_reason["still pending at the end"] += result.never_placed
     result.series = series
+    result.window_s = window
     result.card_used_milli_at_end = cluster.state.card_used_milli()
     if not len(result.card_used_milli_at_100):
         result.card_used_milli_at_100 = result.card_used_milli_at_50 = result.card_used_milli_at_end
