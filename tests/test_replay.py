@@ -9,7 +9,16 @@ from functools import cache
 import numpy as np
 import pytest
 
-from gpuplane.model import MILLI_PER_CARD, Fraction, NodeSpec, PodRequest, QoS, WholeCards, default_catalog
+from gpuplane.model import (
+    MILLI_PER_CARD,
+    Fraction,
+    GpuplaneError,
+    NodeSpec,
+    PodRequest,
+    QoS,
+    WholeCards,
+    default_catalog,
+)
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.plugins import fit
 from gpuplane.sim import (
@@ -280,3 +289,21 @@ def test_timed_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
 
 def test_timed_config_accepts_edge_values() -> None:
     TimedConfig(load=10.0, min_duration_s=1.0, max_duration_s=1.0, arrival="trace", hours=0.5, warmup_hours=0.0)
+
+
+@pytest.mark.parametrize(
+    ("pods", "message"),
+    [
+        ([], "the workload is empty"),
+        ([PodRequest("cpu-only", cpu_milli=1000)], "no pod asks for GPU"),
+    ],
+)
+def test_tune_workload_rejects_what_it_cannot_tune(pods: list[PodRequest], message: str) -> None:
+    with pytest.raises(GpuplaneError, match=message):
+        tune_workload(pods, 8 * MILLI_PER_CARD, seed=1)
+
+
+def test_fill_rejects_duplicate_pod_names() -> None:
+    twice = [PodRequest("same", gpu=WholeCards(1)), PodRequest("same", gpu=WholeCards(1))]
+    with pytest.raises(GpuplaneError, match="'same' appears twice"):
+        run_fill(CATALOG, small_cluster(), twice, PROFILE, seed=1)

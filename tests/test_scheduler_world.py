@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from gpuplane.model import (
     Assignment,
     CardShare,
     Fraction,
     NodeSpec,
-    PlacementError,
     PodRequest,
     PoolConfig,
     Taint,
@@ -151,10 +149,6 @@ class RacingCluster(SimCluster):
         return super().bind(pod, assignment, node_version=node_version)
 
 
-@pytest.mark.xfail(strict=True, raises=PlacementError,
-                   reason="suspected scheduler bug: a PodBound event for a card the scheduler has assumed for "
-                          "another pod makes the watch handler raise PlacementError (kube-scheduler's cache "
-                          "accepts it and lets the assumed pod's bind fail)")
 def test_a_bind_that_lost_to_another_pod_on_the_same_card_is_forgotten() -> None:
     cluster = RacingCluster(CATALOG, [t4_node("n0", 2), t4_node("n1", 2)])
     scheduler = Scheduler(cluster, CATALOG, PROFILE, seed=0)
@@ -171,10 +165,6 @@ def test_a_bind_that_lost_to_another_pod_on_the_same_card_is_forgotten() -> None
     assert_cache_matches(scheduler, cluster)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="suspected scheduler bug: when another actor binds the pod first, the PodBound event is "
-                          "ignored (the pod is already assumed) and the failed bind then forgets it, so the cache "
-                          "misses a running pod (and the pod stays parked in the queue)")
 def test_a_pod_bound_by_someone_else_during_our_bind_is_in_the_cache() -> None:
     cluster = RacingCluster(CATALOG, [t4_node("n0", 2), t4_node("n1", 2)])
     scheduler = Scheduler(cluster, CATALOG, PROFILE, seed=0)

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from gpuplane.model import (
     Assignment,
     CardShare,
+    Fraction,
     NodeSpec,
     PodRequest,
+    PoolConfig,
     Taint,
     WholeCards,
     default_catalog,
@@ -524,3 +526,16 @@ def test_events_run_in_time_priority_sequence_order(specs: list[tuple[int, int]]
         loop.call_at(float(when), functools.partial(ran.append, index), priority=priority)
     loop.run()
     assert ran == sorted(range(len(specs)), key=lambda i: (specs[i][0], specs[i][1], i))
+
+
+def test_patch_node_refuses_a_pool_that_breaks_promised_memory() -> None:
+    catalog = default_catalog()
+    cluster = SimCluster(catalog, [NodeSpec("dev", 8000, 65536, "A100-40GB", 1, pool="dev")],
+                         pools={"dev": PoolConfig(memory_oversell=2.0), "prod": PoolConfig()})
+    # 2 × 40960 MiB can be promised in the dev pool; 60000 MiB of it is.
+    cluster.create_pod(PodRequest("big", gpu=Fraction(memory_mib=60000)))
+    assert cluster.bind("big", Assignment("dev", (CardShare(0, 0, 60000),))).ok
+    status = cluster.patch_node("dev", pool="prod")
+    assert status.code is Code.ERROR and "60000 MiB promised on 40960 MiB" in status.message
+    (info,) = cluster.list_nodes()
+    assert info.spec.pool == "dev" and info.resource_version == 1

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuplane.model import Catalog, ClusterState, PodRequest, PoolConfig
-from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodPhase, Status
+from gpuplane.model import Assignment, Catalog, ClusterState, PlacementError, PodRequest, PoolConfig
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 from gpuplane.scheduler.framework import Decision, Framework, Profile
 from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
 
@@ -32,15 +32,29 @@ class Scheduler:
                  pools: Mapping[str, PoolConfig] | None = None, now: Callable[[], float] | None = None) -> None:
         self.port = port
         self.now = now or (lambda: 0.0)
-        self.state = ClusterState(catalog, [info.spec for info in port.list_nodes()], pools)
+        self.catalog = catalog
+        self.pools = pools
         self.framework = Framework(profile, np.random.default_rng(seed))
         self.queue = SchedulingQueue()
-        for pod in port.list_pods():
-            if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
-                self.state.place(pod.request, pod.assignment)
-            elif pod.phase is PodPhase.PENDING:
-                self.queue.add(pod.request, pod.created_at)
+        self._assumed: dict[str, Assignment] = {}
+        """Pods reserved in the cache whose bind has not been confirmed yet."""
+        self.state = self._build_cache(enqueue=True)
         self._unsubscribe = port.watch(self._on_event)
+
+    def _build_cache(self, *, enqueue: bool) -> ClusterState:
+        state = ClusterState(self.catalog, [info.spec for info in self.port.list_nodes()], self.pools)
+        for pod in self.port.list_pods():
+            if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
+                state.place(pod.request, pod.assignment)
+            elif pod.phase is PodPhase.PENDING and enqueue:
+                self.queue.add(pod.request, pod.created_at)
+        return state
+
+    def resync(self) -> None:
+        """Rebuild the cache from the port's lists (the world's truth), dropping every reservation."""
+        self._assumed.clear()
+        self.state = self._build_cache(enqueue=False)
+        self.queue.activate_all()
 
     def close(self) -> None:
         self._unsubscribe()
@@ -52,10 +66,7 @@ class Scheduler:
             if event.pod.phase is PodPhase.PENDING:
                 self.queue.add(event.pod.request, event.time)
         elif kind is EventKind.POD_BOUND and event.pod is not None:
-            pod = event.pod
-            self.queue.remove(pod.name)
-            if pod.name not in self.state.bindings and pod.assignment is not None:
-                self.state.place(pod.request, pod.assignment)
+            self._on_bound(event.pod)
         elif kind is EventKind.POD_DELETED and event.pod is not None:
             name = event.pod.name
             self.queue.remove(name)
@@ -70,6 +81,34 @@ class Scheduler:
             self.state.update_node(event.node.spec)
             self.queue.activate_all()
 
+    def _on_bound(self, pod: PodInfo) -> None:
+        """The world bound a pod: confirm our reservation, or let the world's binding replace it."""
+        self.queue.remove(pod.name)
+        assignment = pod.assignment
+        if assignment is None:
+            return
+        assumed = self._assumed.pop(pod.name, None)
+        if assumed == assignment:
+            return  # our own bind, confirmed
+        if assumed is not None or pod.name in self.state.bindings:
+            self.state.release(pod.name)  # bound by someone else, or bound differently
+        try:
+            self.state.place(pod.request, assignment)
+        except PlacementError:
+            # The world put a pod where we reserved capacity for others: the world wins. Drop the
+            # reservations on that node (their binds will fail and they will be retried), then retry.
+            node = self.state.node_index.get(assignment.node)
+            for name in [n for n, a in self._assumed.items() if a.node == assignment.node]:
+                del self._assumed[name]
+                self.state.release(name)
+            try:
+                self.state.place(pod.request, assignment)
+            except PlacementError:
+                self.resync()
+                return
+            if node is not None:
+                self.queue.activate_for_node(self.state, node)
+
     # ------------------------------------------------------------------ decisions
     def decide(self, pod: PodRequest) -> Decision:
         """Where `pod` would go now; changes nothing."""
@@ -81,9 +120,11 @@ class Scheduler:
         if decision.assignment is None:
             return decision
         self.state.place(pod, decision.assignment)
+        self._assumed[pod.name] = decision.assignment
         status = self.port.bind(pod.name, decision.assignment)
+        still_assumed = self._assumed.pop(pod.name, None) is not None
         if not status.ok:
-            if pod.name in self.state.bindings:
+            if still_assumed:
                 self.state.release(pod.name)
             return Decision(status, None, -1, decision.diagnosis)
         return decision
@@ -117,7 +158,7 @@ class Scheduler:
             outcome = Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at)
             outcomes.append(outcome)
             keep = on_outcome(outcome) if on_outcome is not None else True
-            if not decision.status.ok and keep:
+            if not decision.status.ok and keep and entry.request.name not in self.state.bindings:
                 self.queue.park(entry)
 
     def status_of(self, pod: str) -> Status:

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, PodRequest, PoolConfig, Taint
+from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, NodeSpecError, PodRequest, PoolConfig, Taint
 from gpuplane.port import ClusterEvent, EventKind, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
 from gpuplane.sim.engine import EventLoop
 
@@ -207,7 +207,10 @@ class SimCluster:
                 notes.pop(key, None)
             else:
                 notes[key] = value
-        self.state.update_node(spec)
+        try:
+            self.state.update_node(spec)
+        except NodeSpecError as exc:
+            return Status.error(f"invalid: {exc}")
         updated = NodeInfo(spec, info.resource_version + 1, tuple(sorted(notes.items())))
         self._nodes[node] = updated
         self._emit(EventKind.NODE_UPDATED, node=updated)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
-from gpuplane.model import MILLI_PER_CARD, Catalog, NodeSpec, PodRequest, PoolConfig, QoS
+from gpuplane.model import MILLI_PER_CARD, Catalog, GpuplaneError, NodeSpec, PodRequest, PoolConfig, QoS
 from gpuplane.scheduler import Decision, Outcome, Profile, Scheduler
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop
@@ -117,7 +117,16 @@ class SimulationResult:
 
 
 def tune_workload(pods: Sequence[PodRequest], capacity_milli: int, seed: int, target: float = 1.3) -> list[PodRequest]:
-    """The FGD protocol: shuffle, then resample with replacement up to `target` × capacity (or trim down)."""
+    """The FGD protocol: shuffle, then resample with replacement up to `target` × capacity (or trim down).
+
+    Raises GpuplaneError for an empty list or one without any GPU demand (nothing to tune towards).
+    """
+    if not pods:
+        raise GpuplaneError("the workload is empty: nothing to replay")
+    if not any(p.gpu_milli_total for p in pods):
+        raise GpuplaneError("no pod asks for GPU: a fill replay tunes GPU demand and has nothing to tune")
+    if target <= 0 or capacity_milli <= 0:
+        raise GpuplaneError(f"tune target and capacity must be positive (got {target}, {capacity_milli})")
     rng = np.random.default_rng(seed)
     order = [pods[i] for i in rng.permutation(len(pods))]
     goal = target * capacity_milli
@@ -158,6 +167,11 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
              why: Sequence[str] = (), pools: dict[str, PoolConfig] | None = None,
              progress: Progress | None = None) -> SimulationResult:
     """Replay `pods` in fill mode. Deterministic for a given seed."""
+    seen: set[str] = set()
+    for request in pods:
+        if request.name in seen:
+            raise GpuplaneError(f"pod name {request.name!r} appears twice in the workload")
+        seen.add(request.name)
     cluster = SimCluster(catalog, nodes, pools=pools)
     scheduler = Scheduler(cluster, catalog, profile, seed=seed, pools=pools)
     capacity = cluster.state.total_gpu_milli()
