@@ -167,3 +167,31 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run(["gpuplane", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert "simulate" in result.stdout and "explain" in result.stdout and "bench" in result.stdout
+
+
+def test_oversold_dev_pool_places_more_memory_than_exists(tmp_path: Path) -> None:
+    """One A30 (24576 MiB) in a dev pool oversold 1:2 takes three 12000 MiB pods; the third is oversold."""
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model,pool\ndev-0,64000,262144,1,A30,dev\n")
+    pools = tmp_path / "pools.yaml"
+    pools.write_text("pools:\n  dev: {memory_oversell: 2.0}\n")
+    rows = [f"p{i},1000,1024,1,100,,LS,Running,0,10,0,12000" for i in range(5)]
+    header = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,"
+              "scheduled_time,gpu_memory_mib")
+    pods = tmp_path / "pods.csv"
+    pods.write_text("\n".join([header, *rows]) + "\n")
+    data = _simulate(tmp_path, "--trace", str(pods), "--nodes", str(nodes), "--pools", str(pools))
+    # Fill tunes 5 × 100 milli up to 1.3 cards: 13 pods arrive. 2 × 24576 = 49152 MiB can be promised:
+    # four 12000 MiB pods (48000) fit, the rest do not. Physical 24576 MiB holds two; two are oversold.
+    assert data["submitted_pods"] == 13
+    assert data["placed_pods"] == 4
+    assert data["oversubscribed_pods"] == 2
+    assert data["failed_by_reason"] == {"insufficient GPU memory": 9}
+
+
+def test_pools_file_errors_name_the_field(tmp_path: Path) -> None:
+    pools = tmp_path / "pools.yaml"
+    pools.write_text("pools:\n  dev: {memory_oversell: 0.5}\n")
+    result = runner.invoke(app, ["simulate", "--pools", str(pools), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "pools.dev.memory_oversell" in " ".join(result.output.split())

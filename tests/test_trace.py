@@ -299,3 +299,32 @@ def test_bundled_path_and_resolve_trace(tmp_path: Path) -> None:
     assert resolve_trace(str(tmp_path / "mine.csv")) == tmp_path / "mine.csv"
     with pytest.raises(GpuplaneError, match="unknown bundled trace 'multigpu20'"):
         bundled_path("multigpu20")
+
+
+def test_optional_pool_and_gpu_memory_columns(tmp_path: Path) -> None:
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model,pool\na,8000,1024,1,T4,dev\nb,8000,1024,1,T4,\n")
+    assert [n.pool for n in load_nodes(nodes, CATALOG)] == ["dev", "default"]
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_memory_mib\n"
+                    "f,1000,1,1,300,8000\nw,1000,1,1,1000,\nm,1000,1,1,1000,4000\n")
+    loaded = {p.request.name: p.request.gpu for p in load_pods(pods, CATALOG)}
+    # a whole-card share with a memory cap is a fraction of the full compute
+    assert loaded == {"f": Fraction(compute_milli=300, memory_mib=8000), "w": WholeCards(1),
+                      "m": Fraction(compute_milli=1000, memory_mib=4000)}
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("x,1000,1,1,300,999999", "exceeds the largest allowed card"),
+        ("x,1000,1,2,1000,4000", "cannot span 2 GPUs"),
+        ("x,1000,1,1,300,-5", "must be at least 0"),
+    ],
+)
+def test_gpu_memory_column_errors(tmp_path: Path, row: str, message: str) -> None:
+    pods = tmp_path / "pods.csv"
+    pods.write_text(f"name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_memory_mib\n{row}\n")
+    with pytest.raises(TraceError, match=message) as info:
+        load_pods(pods, CATALOG)
+    assert (info.value.line, info.value.column) == (2, "gpu_memory_mib")

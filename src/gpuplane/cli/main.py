@@ -14,7 +14,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpuplane.model import Catalog, GpuplaneError, NodeSpec, default_catalog
+from gpuplane.model import (
+    MILLI_PER_CARD,
+    Catalog,
+    GpuplaneError,
+    NodeSpec,
+    PoolConfig,
+    WholeCards,
+    default_catalog,
+)
 from gpuplane.report import occupancy_histogram, summary_rows, write_report
 from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, default_registry, load_topo_config
 from gpuplane.sim import (
@@ -30,6 +38,7 @@ from gpuplane.sim import (
     run_fill,
     run_timed,
 )
+from gpuplane.sim.pools import load_pools
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="gpuplane: GPU-cluster scheduling, sharing and simulation.")
@@ -47,10 +56,12 @@ class Inputs:
     pods: list[TracePod]
     trace: str
     reports: tuple[LoadReport, LoadReport]
+    pools: dict[str, PoolConfig]
 
 
-def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool) -> Inputs:
+def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool, pools_path: Path | None = None) -> Inputs:
     catalog = default_catalog()
+    pools = load_pools(pools_path) if pools_path is not None else {}
     node_report = LoadReport(str(nodes_path or "bundled node list"))
     pod_path = resolve_trace(trace)
     pod_report = LoadReport(str(pod_path))
@@ -60,7 +71,10 @@ def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool) -> Inputs:
         raise GpuplaneError(f"{node_report.path}: no usable nodes")
     if not pods:
         raise GpuplaneError(f"{pod_report.path}: no usable pods")
-    return Inputs(catalog, nodes, pods, trace, (node_report, pod_report))
+    unknown = sorted({n.pool for n in nodes} - set(pools) - {"default"}) if pools else []
+    if unknown:
+        raise GpuplaneError(f"{pools_path}: nodes name pools the file does not declare: {', '.join(unknown)}")
+    return Inputs(catalog, nodes, pods, trace, (node_report, pod_report), pools)
 
 
 def _policy(node_policy: str, card_policy: str, scope: str, topo: Path | None, nodes: list[NodeSpec]) -> PolicyConfig:
@@ -91,9 +105,10 @@ def _run(inputs: Inputs, config: PolicyConfig, mode: ReplayMode, seed: int, *, r
 
         if mode is ReplayMode.FILL:
             return run_fill(inputs.catalog, inputs.nodes, [p.request for p in inputs.pods], profile, seed=seed,
-                            trace=inputs.trace, record_placements=record, why=why, progress=tick)
+                            trace=inputs.trace, record_placements=record, why=why, pools=inputs.pools,
+                            progress=tick)
         return run_timed(inputs.catalog, inputs.nodes, inputs.pods, profile, seed=seed, trace=inputs.trace,
-                         config=timed, record_placements=record, why=why, progress=tick)
+                         config=timed, record_placements=record, why=why, pools=inputs.pools, progress=tick)
 
 
 def _summary_json(result: SimulationResult, report: Path | None) -> dict[str, Any]:
@@ -107,6 +122,7 @@ def _summary_json(result: SimulationResult, report: Path | None) -> dict[str, An
         "submitted_pods": result.submitted,
         "placed_pods": result.placed,
         "failed_pods": result.failed,
+        "oversubscribed_pods": result.oversubscribed,
         "failed_by_reason": dict(result.failed_by_reason.most_common()),
         "decisions": result.decisions,
         "decisions_per_s": round(result.decisions_per_s, 1),
@@ -150,8 +166,8 @@ def _write_placements(result: SimulationResult, path: Path) -> None:
         for p in result.placements:
             request = p.request
             gpu = request.gpu
-            num_gpu = getattr(gpu, "count", 1 if gpu is not None else 0)
-            gpu_milli = 1000 if hasattr(gpu, "count") else request.gpu_milli_total
+            num_gpu = gpu.count if isinstance(gpu, WholeCards) else 0 if gpu is None else 1
+            gpu_milli = MILLI_PER_CARD if isinstance(gpu, WholeCards) else request.gpu_milli_total
             spec = "|".join(sorted(request.models)) if request.models else ""
             writer.writerow([p.seq, request.name, request.cpu_milli, request.memory_mib, num_gpu, gpu_milli, spec,
                              p.node, ";".join(map(str, p.cards)), p.outcome])
@@ -201,7 +217,9 @@ def _print_why(result: SimulationResult, pod: str, show_all: bool) -> None:
 
 
 TraceOpt = Annotated[str, typer.Option(help="default, gpushare40, gpushare100, or a path to an openb pod CSV")]
-NodesOpt = Annotated[Path | None, typer.Option(help="openb node CSV (default: the bundled 1,213-node cluster)")]
+NodesOpt = Annotated[Path | None, typer.Option(help="openb node CSV (default: the bundled 1,213-node cluster); "
+                                                 "an optional `pool` column puts nodes in pools")]
+PoolsOpt = Annotated[Path | None, typer.Option(help="pool settings (YAML), e.g. memory oversell for dev pools")]
 ModeOpt = Annotated[str, typer.Option(help="fill (FGD protocol) or timed")]
 NodePolicyOpt = Annotated[str, typer.Option(help="node policy: binpack or spread (or a registered plugin)")]
 CardPolicyOpt = Annotated[str, typer.Option(help="card policy: binpack, spread, card-only-one or custom-topo")]
@@ -224,6 +242,7 @@ def _timed_config(load: float, arrival: str, hours: float) -> TimedConfig:
 def simulate(
     trace: TraceOpt = "default",
     nodes: NodesOpt = None,
+    pools: PoolsOpt = None,
     mode: ModeOpt = "fill",
     node_policy: NodePolicyOpt = "binpack",
     card_policy: CardPolicyOpt = "binpack",
@@ -247,7 +266,7 @@ def simulate(
     except ValueError:
         _fail(f"--mode: choose fill or timed, got {mode!r}")
     try:
-        inputs = _load(trace, nodes, skip_bad_rows)
+        inputs = _load(trace, nodes, skip_bad_rows, pools)
         timed = _timed_config(load, arrival, hours)
         configs = [_policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)]
         configs += [_policy(p, p, card_only_one_scope, topo, inputs.nodes) for p in compare or []]

@@ -252,8 +252,9 @@ class Framework:
                 diagnosis.reason_of[node] = diagnosis.reasons.index(reason)
             candidates = candidates[candidates != node]
         assert diagnosis is not None
-        resolvable = not diagnosis.unresolvable or any(
-            int(i) not in diagnosis.unresolvable for i in np.unique(diagnosis.reason_of) if i >= 0)
+        # Preemption can help only if some node was rejected for a reason that freeing capacity fixes.
+        rejected = {int(i) for i in np.unique(diagnosis.reason_of) if i >= 0}
+        resolvable = not rejected or bool(rejected - diagnosis.unresolvable)
         return Decision(Status.unschedulable(diagnosis.message(), resolvable=resolvable), diagnosis=diagnosis)
 
 

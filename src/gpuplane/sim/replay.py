@@ -84,6 +84,8 @@ class SimulationResult:
     series: TimeSeries | None = None
     waits_s: list[float] = field(default_factory=list)
     never_placed: int = 0
+    oversubscribed: int = 0
+    """Placements that promise card memory beyond its physical size (oversold pools)."""
     window_s: tuple[float, float] = (0.0, 0.0)
     """Timed replays: the measurement window (after warm-up, up to the last arrival)."""
 
@@ -194,6 +196,7 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
         if decision.status.ok and decision.assignment is not None:
             used_milli += decision.assignment.gpu_milli
             result.placed += 1
+            result.oversubscribed += decision.assignment.oversubscribed
         else:
             result.failed_by_reason[_outcome_text(decision)] += 1
             cluster.delete_pod(request.name)
@@ -331,6 +334,7 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
         if decision.status.ok and decision.assignment is not None:
             i = index_of[request.name]
             result.placed += 1
+            result.oversubscribed += decision.assignment.oversubscribed
             result.waits_s.append(outcome.waited)
             busy_milli += decision.assignment.gpu_milli * busy_share[i]
             loop.call_later(float(durations[i]), functools.partial(depart, request.name, i))

@@ -31,7 +31,9 @@ from gpuplane.model import (
 BUNDLED_TRACES = ("default", "gpushare40", "gpushare100")
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
-OPTIONAL_POD_COLUMNS = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+OPTIONAL_POD_COLUMNS = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time",
+                        "gpu_memory_mib")
+"""`gpu_memory_mib` (not in the Alibaba files) gives a GPU-sharing pod's card memory in MiB."""
 
 
 class TraceError(GpuplaneError):
@@ -140,7 +142,7 @@ def _time(path: Path, line: int, row: dict[str, str], column: str) -> float | No
 
 def load_nodes(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = False,
                report: LoadReport | None = None) -> list[NodeSpec]:
-    """Read an openb node list (`sn,cpu_milli,memory_mib,gpu,model`)."""
+    """Read an openb node list (`sn,cpu_milli,memory_mib,gpu,model`, optionally `pool`)."""
     path = Path(path)
     report = report if report is not None else LoadReport(str(path))
     nodes: list[NodeSpec] = []
@@ -165,7 +167,8 @@ def load_nodes(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = Fals
                     model = catalog.canonical(model_name)
                 except CatalogError as exc:
                     raise TraceError(path, line, "model", str(exc)) from None
-            nodes.append(NodeSpec(name, cpu, memory, model, gpus))
+            pool = (row.get("pool") or "").strip() or "default"
+            nodes.append(NodeSpec(name, cpu, memory, model, gpus, pool=pool))
             names.add(name)
         except TraceError as exc:
             if not skip_bad_rows:
@@ -174,7 +177,7 @@ def load_nodes(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = Fals
     return nodes
 
 
-def _gpu_form(path: Path, line: int, num_gpu: int, gpu_milli: int) -> GpuForm | None:
+def _gpu_form(path: Path, line: int, num_gpu: int, gpu_milli: int, gpu_memory: int) -> GpuForm | None:
     if gpu_milli > MILLI_PER_CARD:
         raise TraceError(path, line, "gpu_milli", f"a card holds at most {MILLI_PER_CARD} milli, got {gpu_milli}")
     if num_gpu == 0:
@@ -183,11 +186,13 @@ def _gpu_form(path: Path, line: int, num_gpu: int, gpu_milli: int) -> GpuForm | 
         return None
     if gpu_milli == 0:
         raise TraceError(path, line, "gpu_milli", f"0 milli asked with num_gpu {num_gpu}")
-    if gpu_milli == MILLI_PER_CARD:
+    if gpu_milli == MILLI_PER_CARD and not gpu_memory:
         return WholeCards(num_gpu)
     if num_gpu > 1:
-        raise TraceError(path, line, "gpu_milli", f"a fraction ({gpu_milli} milli) cannot span {num_gpu} GPUs")
-    return Fraction(compute_milli=gpu_milli)
+        column = "gpu_milli" if gpu_milli != MILLI_PER_CARD else "gpu_memory_mib"
+        share = f"{gpu_milli} milli" + (f", {gpu_memory} MiB" if gpu_memory else "")
+        raise TraceError(path, line, column, f"a fraction ({share}) cannot span {num_gpu} GPUs")
+    return Fraction(compute_milli=gpu_milli, memory_mib=gpu_memory)
 
 
 def load_pods(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = False,
@@ -209,7 +214,9 @@ def load_pods(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = False
             memory = _int(path, line, row, "memory_mib")
             num_gpu = _int(path, line, row, "num_gpu")
             gpu_milli = _int(path, line, row, "gpu_milli")
-            gpu = _gpu_form(path, line, num_gpu, gpu_milli)
+            has_memory = (row.get("gpu_memory_mib") or "").strip() != ""
+            gpu_memory = _int(path, line, row, "gpu_memory_mib") if has_memory else 0
+            gpu = _gpu_form(path, line, num_gpu, gpu_milli, gpu_memory)
             spec = (row.get("gpu_spec") or "").strip()
             models: frozenset[str] | None = None
             if spec:
@@ -217,6 +224,11 @@ def load_pods(path: Path | str, catalog: Catalog, *, skip_bad_rows: bool = False
                     models = frozenset(catalog.canonical(m.strip()) for m in spec.split("|") if m.strip())
                 except CatalogError as exc:
                     raise TraceError(path, line, "gpu_spec", str(exc)) from None
+            if gpu_memory:
+                largest = max(catalog.get(m).memory_mib for m in (models or catalog.names))
+                if gpu_memory > largest:
+                    raise TraceError(path, line, "gpu_memory_mib",
+                                     f"{gpu_memory} MiB exceeds the largest allowed card ({largest} MiB)")
             qos_raw = (row.get("qos") or "").strip()
             try:
                 qos = QoS.from_trace(qos_raw) if qos_raw else QoS.ONLINE
