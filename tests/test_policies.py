@@ -40,6 +40,7 @@ from gpuplane.scheduler.plugins.allocation import BinpackScore, SpreadScore
 from gpuplane.scheduler.plugins.cards import future_placements, pick_rdma
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
 from gpuplane.scheduler.plugins.topo import CustomTopo
+from gpuplane.scheduler.registry import NodePolicy
 
 
 def whole_share(state: ClusterState, n: int, c: int) -> CardShare:
@@ -667,7 +668,8 @@ def test_tie_breaking_is_deterministic_for_a_seed() -> None:
 
 def test_registry_unknown_policies() -> None:
     registry = default_registry()
-    with pytest.raises(PolicyError, match=r"unknown node policy 'tightest' \(choose from binpack, spread\)"):
+    with pytest.raises(PolicyError, match=r"unknown node policy 'tightest' \(choose from bestfit, binpack, dotprod, "
+                                          r"fgd, fgd-online, gpu-clustering, gpu-packing, random, spread\)"):
         registry.build(PolicyConfig(node_policy="tightest"))
     with pytest.raises(PolicyError, match=r"unknown card policy 'nope' "
                                           r"\(choose from binpack, card-only-one, custom-topo, spread\)"):
@@ -675,7 +677,7 @@ def test_registry_unknown_policies() -> None:
     with pytest.raises(PolicyError, match="custom-topo needs a topology file"):
         registry.build(PolicyConfig(card_policy="custom-topo"))
     with pytest.raises(PolicyError, match="registered twice"):
-        registry.register_node_policy("binpack", lambda c: [])
+        registry.register_node_policy("binpack", lambda c: NodePolicy([]))
     with pytest.raises(PolicyError, match="registered twice"):
         registry.register_card_policy("spread", lambda c: ((), registry.card_policies["binpack"](c)[1]))
     with pytest.raises(PolicyError, match="unknown node policy"):
@@ -693,5 +695,5 @@ def test_registry_profiles() -> None:
     assert [f.name for f in topo.filters] == ["NodeFit", "GpuFit", "CustomTopo"]
     assert registry.build(PolicyConfig()).picker.name == "binpack"
     # a registered extension is used
-    registry.register_node_policy("flat", lambda c: [WeightedScore(SpreadScore(c.weights), 0.0)])
+    registry.register_node_policy("flat", lambda c: NodePolicy([WeightedScore(SpreadScore(c.weights), 0.0)]))
     assert registry.build(PolicyConfig(node_policy="flat")).scores[0].weight == 0.0

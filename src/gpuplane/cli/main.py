@@ -25,6 +25,7 @@ from gpuplane.model import (
 )
 from gpuplane.report import occupancy_histogram, summary_rows, write_report
 from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, default_registry, load_topo_config
+from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim import (
     LoadReport,
     ReplayMode,
@@ -77,15 +78,17 @@ def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool, pools_path: 
     return Inputs(catalog, nodes, pods, trace, (node_report, pod_report), pools)
 
 
-def _policy(node_policy: str, card_policy: str, scope: str, topo: Path | None, nodes: list[NodeSpec]) -> PolicyConfig:
+def _policy(node_policy: str, card_policy: str | None, scope: str, topo: Path | None, inputs: Inputs,
+            seed: int) -> PolicyConfig:
     try:
         scope_value = CardOnlyOneScope(scope)
     except ValueError:
         raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
     config = PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
-                          custom_topo=load_topo_config(topo) if topo is not None else None)
+                          custom_topo=load_topo_config(topo) if topo is not None else None,
+                          typical=TypicalPods.from_workload(p.request for p in inputs.pods), seed=seed)
     if config.custom_topo is not None:
-        names = {n.name for n in nodes}
+        names = {n.name for n in inputs.nodes}
         missing = sorted({n for rule in config.custom_topo.rules for n in rule.nodes or () if n not in names})
         if missing:
             raise GpuplaneError(f"{topo}: rules name nodes the cluster lacks: {', '.join(missing[:10])}")
@@ -221,8 +224,10 @@ NodesOpt = Annotated[Path | None, typer.Option(help="openb node CSV (default: th
                                                  "an optional `pool` column puts nodes in pools")]
 PoolsOpt = Annotated[Path | None, typer.Option(help="pool settings (YAML), e.g. memory oversell for dev pools")]
 ModeOpt = Annotated[str, typer.Option(help="fill (FGD protocol) or timed")]
-NodePolicyOpt = Annotated[str, typer.Option(help="node policy: binpack or spread (or a registered plugin)")]
-CardPolicyOpt = Annotated[str, typer.Option(help="card policy: binpack, spread, card-only-one or custom-topo")]
+NodePolicyOpt = Annotated[str, typer.Option(
+    help="node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd, fgd-online")]
+CardPolicyOpt = Annotated[str | None, typer.Option(
+    help="card policy: binpack, spread, card-only-one or custom-topo (default: the node policy's own, else binpack)")]
 ScopeOpt = Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
 TopoOpt = Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")]
 SeedOpt = Annotated[int, typer.Option(help="seed for shuffling, resampling and tie-breaks")]
@@ -245,7 +250,7 @@ def simulate(
     pools: PoolsOpt = None,
     mode: ModeOpt = "fill",
     node_policy: NodePolicyOpt = "binpack",
-    card_policy: CardPolicyOpt = "binpack",
+    card_policy: CardPolicyOpt = None,
     card_only_one_scope: ScopeOpt = "workload",
     topo: TopoOpt = None,
     seed: SeedOpt = 42,
@@ -268,8 +273,10 @@ def simulate(
     try:
         inputs = _load(trace, nodes, skip_bad_rows, pools)
         timed = _timed_config(load, arrival, hours)
-        configs = [_policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)]
-        configs += [_policy(p, p, card_only_one_scope, topo, inputs.nodes) for p in compare or []]
+        configs = [_policy(node_policy, card_policy, card_only_one_scope, topo, inputs, seed)]
+        cards = default_registry().card_policies
+        configs += [_policy(p, p if p in cards else None, card_only_one_scope, topo, inputs, seed)
+                    for p in compare or []]
         results = [_run(inputs, c, replay_mode, seed, record=placements is not None and i == 0, why=why or [],
                         timed=timed, quiet=False) for i, c in enumerate(configs)]
         report = write_report(results, out_dir / "report.html")
@@ -299,7 +306,7 @@ def explain(
     nodes: NodesOpt = None,
     mode: ModeOpt = "fill",
     node_policy: NodePolicyOpt = "binpack",
-    card_policy: CardPolicyOpt = "binpack",
+    card_policy: CardPolicyOpt = None,
     card_only_one_scope: ScopeOpt = "workload",
     topo: TopoOpt = None,
     seed: SeedOpt = 42,
@@ -309,7 +316,7 @@ def explain(
     """Replay the trace and show, for one pod, why each node could or could not take it."""
     try:
         inputs = _load(trace, nodes, skip_bad_rows)
-        config = _policy(node_policy, card_policy, card_only_one_scope, topo, inputs.nodes)
+        config = _policy(node_policy, card_policy, card_only_one_scope, topo, inputs, seed)
         result = _run(inputs, config, ReplayMode(mode), seed, record=False, why=[pod], timed=TimedConfig(),
                       quiet=False)
     except (GpuplaneError, ValueError) as exc:

@@ -125,6 +125,8 @@ class ClusterState:
         self.mig_instances: dict[tuple[int, int], list[MigInstance]] = {}
         self.workload_cards: dict[str, Counter[tuple[int, int]]] = {}
         self.nic_free: list[list[int]] = []
+        self.node_pods: list[set[str]] = []
+        """Names of the pods placed on each node."""
         self._allowed_cache: dict[frozenset[str] | None, BoolArray] = {}
         self.tainted: set[int] = set()
         self._alloc(0, 0)
@@ -142,6 +144,7 @@ class ClusterState:
         self.schedulable = np.zeros(n, np.bool_)
         self.gpu_milli_cap = np.zeros(n, np.int64)
         self.gpu_milli_used = np.zeros(n, np.int64)
+        self.node_version = np.zeros(n, np.int64)
         self.idle_cards = np.zeros(n, np.int64)
         self.rdma_max_free = np.zeros(n, np.int64)
         self.card_valid = np.zeros((n, c), np.bool_)
@@ -163,7 +166,7 @@ class ClusterState:
         self.card_whole = np.zeros((n, c), np.bool_)
 
     _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
-                    "gpu_milli_used", "idle_cards", "rdma_max_free")
+                    "gpu_milli_used", "idle_cards", "rdma_max_free", "node_version")
     _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
                     "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
                     "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me",
@@ -217,6 +220,7 @@ class ClusterState:
         self.nodes.append(spec)
         self.node_index[spec.name] = n
         self.nic_free.append([nic.vfs for nic in spec.topology.nics])
+        self.node_pods.append(set())
         self.cpu_cap[n] = self.cpu_free[n] = spec.cpu_milli
         self.mem_cap[n] = self.mem_free[n] = spec.memory_mib
         self.model_idx[n] = self._model_index[model.name] if model else -1
@@ -274,6 +278,7 @@ class ClusterState:
                 raise
         self.nodes[n] = spec.with_changes(gpu_model=old.gpu_model)
         self.schedulable[n] = spec.schedulable
+        self.node_version[n] += 1
         if spec.taints:
             self.tainted.add(n)
         else:
@@ -397,6 +402,8 @@ class ClusterState:
             self.rdma_max_free[n] = max(self.nic_free[n])
         binding = Binding(request, n, assignment)
         self.bindings[request.name] = binding
+        self.node_pods[n].add(request.name)
+        self.node_version[n] += 1
         return binding
 
     def _place_mig(self, n: int, c: int, pod: str, profile_id: int, start: int) -> None:
@@ -412,6 +419,8 @@ class ClusterState:
     def release(self, pod: str) -> Binding:
         """Undo a placement exactly. Raises KeyError for a pod that is not placed."""
         binding = self.bindings.pop(pod)
+        self.node_pods[binding.node].discard(pod)
+        self.node_version[binding.node] += 1
         n, assignment, request = binding.node, binding.assignment, binding.request
         self.cpu_free[n] += request.cpu_milli
         self.mem_free[n] += request.memory_mib
@@ -486,14 +495,16 @@ class ClusterState:
         clone.mig_instances = {k: list(v) for k, v in self.mig_instances.items()}
         clone.workload_cards = {k: Counter(v) for k, v in self.workload_cards.items()}
         clone.nic_free = [list(v) for v in self.nic_free]
+        clone.node_pods = [set(v) for v in self.node_pods]
         clone.tainted = set(self.tainted)
         clone._allowed_cache = dict(self._allowed_cache)
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:
-        """Bytes of every live array: equal fingerprints mean equal accounting."""
+        """Bytes of every live accounting array (not the change counters): equal means equal accounting."""
         n = self.size
-        return tuple(getattr(self, name)[:n].tobytes() for name in (*self._NODE_ARRAYS, *self._CARD_ARRAYS))
+        return tuple(getattr(self, name)[:n].tobytes() for name in (*self._NODE_ARRAYS, *self._CARD_ARRAYS)
+                     if name != "node_version")
 
     def total_gpu_milli(self) -> int:
         return int(self.gpu_milli_cap[: self.size].sum())

@@ -14,6 +14,7 @@ from gpuplane.scheduler.framework import (
     Profile,
     ScorePlugin,
     StateKey,
+    TieBreak,
     WeightedScore,
 )
 from gpuplane.scheduler.plugins.allocation import ResourceWeights
@@ -26,6 +27,6 @@ from gpuplane.scheduler.scheduler import Outcome, Scheduler
 __all__ = [
     "CARD_OK", "CardCheck", "CardOnlyOneScope", "CardOrder", "CardPick", "CardPicker", "CycleState", "Decision",
     "Diagnosis", "FilterPlugin", "Framework", "NodeCheck", "Outcome", "PolicyConfig", "PolicyError", "Profile",
-    "Registry", "ResourceWeights", "Scheduler", "SchedulingQueue", "ScorePlugin", "StateKey", "TopoConfig",
+    "Registry", "ResourceWeights", "Scheduler", "SchedulingQueue", "ScorePlugin", "StateKey", "TieBreak", "TopoConfig",
     "TopoConfigError", "TopoRule", "WeightedScore", "default_registry", "load_topo_config",
 ]

@@ -8,6 +8,7 @@ it failed. Binding is not part of the framework: the `Scheduler` does it through
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -127,6 +128,19 @@ class WeightedScore:
     weight: float = 1.0
 
 
+class TieBreak(enum.Enum):
+    """How equal best scores are settled.
+
+    RANDOM: uniformly at random (kube-scheduler's selectHost). ORDERED: the first node in a seeded
+    random permutation of the nodes, the same order for every decision, as the FGD paper's simulator
+    does (it prefixes node names with a seeded permutation and takes the first); it reproduces the
+    paper's figures, and packs ties onto the same nodes.
+    """
+
+    RANDOM = "random"
+    ORDERED = "ordered"
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """One scheduler configuration: the filters in order, weighted scores and the card picker."""
@@ -135,6 +149,7 @@ class Profile:
     filters: tuple[FilterPlugin, ...]
     scores: tuple[WeightedScore, ...]
     picker: CardPicker
+    tie_break: TieBreak = TieBreak.RANDOM
 
 
 @dataclass(slots=True)
@@ -180,6 +195,7 @@ class Framework:
     def __init__(self, profile: Profile, rng: np.random.Generator) -> None:
         self.profile = profile
         self.rng = rng
+        self._rank = np.zeros(0, np.int64)
 
     def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState,
                    *, diagnose: bool = True) -> tuple[BoolArray, Diagnosis | None]:
@@ -228,6 +244,13 @@ class Framework:
         top = nodes[scores >= best - 1e-9]
         if len(top) == 1:
             return int(top[0])
+        if self.profile.tie_break is TieBreak.ORDERED:
+            if len(self._rank) <= int(top.max()):
+                grown = max(int(top.max()) + 1, 2 * len(self._rank))
+                # Nodes added later rank after the existing ones, in a seeded order of their own.
+                extra = len(self._rank) + self.rng.permutation(grown - len(self._rank))
+                self._rank = np.concatenate([self._rank, extra])
+            return int(top[np.argmin(self._rank[top])])
         return int(top[self.rng.integers(len(top))])
 
     def schedule(self, pod: PodRequest, state: ClusterState) -> Decision:

@@ -10,25 +10,52 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpuplane.model import GpuplaneError
-from gpuplane.scheduler.framework import CardPicker, FilterPlugin, Profile, WeightedScore
+from gpuplane.scheduler.framework import CardPicker, FilterPlugin, Profile, ScorePlugin, TieBreak, WeightedScore
 from gpuplane.scheduler.plugins.allocation import BinpackScore, ResourceWeights, SpreadScore
+from gpuplane.scheduler.plugins.baselines import (
+    BestFitScore,
+    DotProdScore,
+    GpuClusteringScore,
+    GpuPackingScore,
+    RandomCardPicker,
+    RandomScore,
+)
 from gpuplane.scheduler.plugins.cards import CardOnlyOne, CardOnlyOneScope, CardOrder, OrderedCardPicker
+from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdScore, OnlineFgdScore
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
+from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.scheduler.plugins.topo import CustomTopo, TopoConfig
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Node policy and card policy are separate settings, as in the reports."""
+    """Node policy and card policy are separate settings, as in the reports.
+
+    `card_policy` None takes the node policy's own card choice where it has one (FGD, random), else
+    binpack. `typical` is the target workload M for fragmentation-aware policies; `seed` seeds
+    policies that draw at random.
+    """
 
     node_policy: str = "binpack"
-    card_policy: str = "binpack"
+    card_policy: str | None = None
     card_only_one_scope: CardOnlyOneScope = CardOnlyOneScope.WORKLOAD
     custom_topo: TopoConfig | None = None
     weights: ResourceWeights = field(default_factory=ResourceWeights)
+    typical: TypicalPods | None = None
+    seed: int = 0
+    tie_break: TieBreak | None = None
+    """None: the node policy's default (random for binpack/spread, ordered for the FGD paper's policies)."""
 
 
-NodePolicyFactory = Callable[[PolicyConfig], Sequence[WeightedScore]]
+@dataclass(frozen=True, slots=True)
+class NodePolicy:
+    scores: Sequence[WeightedScore]
+    picker: CardPicker | None = None
+    """The policy's own card choice, used unless a card policy is named."""
+    tie_break: TieBreak = TieBreak.RANDOM
+
+
+NodePolicyFactory = Callable[[PolicyConfig], NodePolicy]
 CardPolicyFactory = Callable[[PolicyConfig], tuple[tuple[FilterPlugin, ...], CardPicker]]
 
 
@@ -57,16 +84,25 @@ class Registry:
         if node is None:
             raise PolicyError(f"unknown node policy {config.node_policy!r} "
                               f"(choose from {', '.join(sorted(self.node_policies))})")
-        card = self.card_policies.get(config.card_policy)
+        node_policy = node(config)
+        tie_break = config.tie_break or node_policy.tie_break
+        card_name = config.card_policy
+        if card_name is None and node_policy.picker is not None:
+            return Profile(name=f"{config.node_policy}/{node_policy.picker.name}",
+                           filters=(NodeFit(), GpuFit()), scores=tuple(node_policy.scores),
+                           picker=node_policy.picker, tie_break=tie_break)
+        card_name = card_name or "binpack"
+        card = self.card_policies.get(card_name)
         if card is None:
-            raise PolicyError(f"unknown card policy {config.card_policy!r} "
+            raise PolicyError(f"unknown card policy {card_name!r} "
                               f"(choose from {', '.join(sorted(self.card_policies))})")
         card_filters, picker = card(config)
         return Profile(
-            name=f"{config.node_policy}/{config.card_policy}",
+            name=f"{config.node_policy}/{card_name}",
             filters=(NodeFit(), GpuFit(), *card_filters),
-            scores=tuple(node(config)),
+            scores=tuple(node_policy.scores),
             picker=picker,
+            tie_break=tie_break,
         )
 
 
@@ -82,10 +118,33 @@ def _card_only_one(config: PolicyConfig) -> tuple[tuple[FilterPlugin, ...], Card
     return (plugin,), plugin
 
 
+def _typical(config: PolicyConfig) -> TypicalPods:
+    if config.typical is None:
+        raise PolicyError(f"node policy {config.node_policy} needs the target workload (typical pods)")
+    return config.typical
+
+
+def _one(score: ScorePlugin, picker: CardPicker | None = None) -> NodePolicy:
+    return NodePolicy((WeightedScore(score),), picker)
+
+
+def _paper(score: ScorePlugin, picker: CardPicker | None = None) -> NodePolicy:
+    """The FGD paper's policies settle ties by a seeded node order, as its simulator does."""
+    return NodePolicy((WeightedScore(score),), picker, TieBreak.ORDERED)
+
+
 def default_registry() -> Registry:
     registry = Registry()
-    registry.register_node_policy("binpack", lambda c: [WeightedScore(BinpackScore(c.weights))])
-    registry.register_node_policy("spread", lambda c: [WeightedScore(SpreadScore(c.weights))])
+    registry.register_node_policy("binpack", lambda c: _one(BinpackScore(c.weights)))
+    registry.register_node_policy("spread", lambda c: _one(SpreadScore(c.weights)))
+    # The FGD paper's policies, as its simulator defines them (best-fit cards unless noted).
+    registry.register_node_policy("random", lambda c: _paper(RandomScore(c.seed), RandomCardPicker(c.seed)))
+    registry.register_node_policy("dotprod", lambda c: _paper(DotProdScore()))
+    registry.register_node_policy("gpu-clustering", lambda c: _paper(GpuClusteringScore()))
+    registry.register_node_policy("gpu-packing", lambda c: _paper(GpuPackingScore()))
+    registry.register_node_policy("bestfit", lambda c: _paper(BestFitScore()))
+    registry.register_node_policy("fgd", lambda c: _paper(FgdScore(_typical(c)), FgdCardPicker()))
+    registry.register_node_policy("fgd-online", lambda c: _paper(OnlineFgdScore(), FgdCardPicker()))
     registry.register_card_policy("binpack", lambda c: ((), OrderedCardPicker("binpack", CardOrder.PACK)))
     registry.register_card_policy("spread", lambda c: ((), OrderedCardPicker("spread", CardOrder.SPREAD)))
     registry.register_card_policy("card-only-one", _card_only_one)
