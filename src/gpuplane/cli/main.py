@@ -45,6 +45,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="gpuplane: GPU-cluster scheduling, sharing and simulation.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print their figures.")
 app.add_typer(bench_app, name="bench")
+experiment_app = typer.Typer(no_args_is_help=True, help="Experiments over policies, traces and seeds.")
+app.add_typer(experiment_app, name="experiment")
 
 err = Console(stderr=True)
 out = Console()
@@ -324,6 +326,60 @@ def explain(
     _print_why(result, pod, show_all)
     if pod not in result.why:
         raise typer.Exit(1)
+
+
+@experiment_app.command("frag")
+def experiment_frag(
+    traces: Annotated[str, typer.Option(help="comma-separated bundled names or pod CSV paths")] =
+        "default,gpushare40,gpushare100",
+    policies: Annotated[str, typer.Option(help="comma-separated policy ids, or all")] = "all",
+    seeds: Annotated[str, typer.Option(help="seeds, e.g. 42-51 or 42,43")] = "42-51",
+    nodes: NodesOpt = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for the CSV, plots and table")] =
+        Path("out/frag"),
+    workers: Annotated[int, typer.Option(help="worker processes")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="print {trace: {policy: {arrived: median}}}")] = False,
+) -> None:
+    """Fill replays of every policy × trace × seed: median unallocated GPU % against arrived workload."""
+    from gpuplane.report.frag import TABLE_POINTS, medians_markdown, plot_trace
+    from gpuplane.sim.experiment import ARRIVED_POINTS, parse_policies, parse_seeds, summarise, sweep
+
+    try:
+        trace_list = [t.strip() for t in traces.split(",") if t.strip()]
+        policy_list = parse_policies(policies, list(default_registry().node_policies))
+        seed_list = parse_seeds(seeds)
+        total = len(trace_list) * len(policy_list) * len(seed_list)
+        progress = Progress(TextColumn("[bold]experiment frag"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=err, transient=True)
+        with progress:
+            task = progress.add_task("runs", total=total)
+            results = sweep(trace_list, policy_list, seed_list, nodes_path=str(nodes) if nodes else None,
+                            workers=workers, progress=lambda done, _: progress.update(task, completed=done))
+    except (GpuplaneError, OSError) as exc:
+        _fail(str(exc))
+    summary = summarise(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / "runs.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["trace", "policy", "seed", "arrived_pct", "allocation_pct"])
+        for result in results:
+            for x, allocation in zip(ARRIVED_POINTS, result.allocation_pct, strict=True):
+                writer.writerow([result.key.trace, result.key.policy, result.key.seed, int(x), allocation])
+    for trace in summary.median:
+        plot_trace(summary, trace, out_dir / f"unallocated-{Path(trace).stem}.png")
+    (out_dir / "medians.md").write_text(medians_markdown(summary), encoding="utf-8")
+    if as_json:
+        print(json.dumps({trace: {policy: {str(x): round(summary.at(trace, policy, x), 3) for x in TABLE_POINTS}
+                                  for policy in by_policy} for trace, by_policy in summary.median.items()}))
+        return
+    table = Table(title="median unallocated GPU % (lower is better)")
+    for column in ("trace", "policy", *(f"{x} %" for x in TABLE_POINTS)):
+        table.add_column(column, justify="right")
+    for trace, by_policy in summary.median.items():
+        for policy in by_policy:
+            table.add_row(trace, policy, *(f"{summary.at(trace, policy, x):.2f}" for x in TABLE_POINTS))
+    out.print(table)
+    out.print(f"runs: {out_dir / 'runs.csv'}, table: {out_dir / 'medians.md'}, plots: {out_dir}/unallocated-*.png")
 
 
 @bench_app.command("schedule")
