@@ -60,6 +60,10 @@ class CycleState:
         value: T = self._data[key]
         return value
 
+    def find(self, key: StateKey[T]) -> T | None:
+        value: T | None = self._data.get(key)
+        return value
+
     def get(self, key: StateKey[T], default: T) -> T:
         value: T = self._data.get(key, default)
         return value
@@ -238,15 +242,15 @@ class Framework:
             total += weighted.weight * weighted.plugin.score(cycle, pod, state, nodes)
         return total
 
-    def select(self, nodes: IntArray, scores: FloatArray) -> int:
-        """The highest-scoring node; ties broken by the seeded RNG."""
+    def select(self, nodes: IntArray, scores: FloatArray, size: int = 0) -> int:
+        """The highest-scoring node; ties settled per the profile's `TieBreak` (`size`: nodes in the state)."""
         best = scores.max()
         top = nodes[scores >= best - 1e-9]
         if len(top) == 1:
             return int(top[0])
         if self.profile.tie_break is TieBreak.ORDERED:
             if len(self._rank) <= int(top.max()):
-                grown = max(int(top.max()) + 1, 2 * len(self._rank))
+                grown = max(int(top.max()) + 1, size, 2 * len(self._rank))
                 # Nodes added later rank after the existing ones, in a seeded order of their own.
                 extra = len(self._rank) + self.rng.permutation(grown - len(self._rank))
                 self._rank = np.concatenate([self._rank, extra])
@@ -261,7 +265,7 @@ class Framework:
         candidates = np.flatnonzero(alive)
         while len(candidates):
             scores = self.score_nodes(cycle, pod, state, candidates)
-            node = self.select(candidates, scores)
+            node = self.select(candidates, scores, state.size)
             pick = self.profile.picker.pick(cycle, pod, state, node, card_ok[node])
             if pick is not None:
                 assignment = Assignment(state.nodes[node].name, pick.cards, pick.rdma,

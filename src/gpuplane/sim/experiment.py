@@ -21,7 +21,7 @@ from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim.replay import run_fill
 from gpuplane.sim.trace import bundled_path, load_nodes, load_pods, resolve_trace
 
-FRAG_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd", "fgd-online")
+FRAG_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd", "fgd-online", "fgd-pack")
 ARRIVED_POINTS = np.arange(0, 131)
 PUBLISHED = {
     "default": {"random": 13.75, "dotprod": 9.445, "gpu-clustering": 8.42, "gpu-packing": 8.195,
@@ -116,7 +116,7 @@ def sweep(traces: Sequence[str], policies: Sequence[str], seeds: Sequence[int], 
         resolve_trace(trace)  # unknown bundled names fail here, before any worker starts
     keys = [RunKey(t, p, s) for t in traces for p in policies for s in seeds]
     # The slowest runs first, so the pool does not end waiting on one long run.
-    order = sorted(range(len(keys)), key=lambda i: keys[i].policy not in ("fgd", "fgd-online"))
+    order = sorted(range(len(keys)), key=lambda i: not keys[i].policy.startswith("fgd"))
     results: list[RunResult | None] = [None] * len(keys)
     jobs = [(keys[i], nodes_path) for i in order]
     done = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuplane.model import MILLI_PER_CARD, CardShare, ClusterState, Fraction, PodRequest, WholeCards
-from gpuplane.scheduler.framework import BoolArray, CardPick, CycleState, FloatArray, IntArray, StateKey
+from gpuplane.scheduler.framework import CARD_OK, BoolArray, CardPick, CycleState, FloatArray, IntArray, StateKey
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
 from gpuplane.scheduler.plugins.frag import Shape, ShapeArrays, TypicalPods, fragmentation, pod_shape, sigmoid_score
 
@@ -68,7 +68,9 @@ class FgdScore:
             self._caches[key] = cache
         stale = nodes[cache.version[nodes] != state.node_version[nodes]]
         if len(stale):
-            scores, cards = self._compute(pod, state, stale, shapes)
+            card_ok = cycle.find(CARD_OK)
+            scores, cards = self._compute(pod, state, stale, shapes,
+                                          card_ok[stale] if card_ok is not None else None)
             cache.score[stale] = scores
             cache.card[stale] = cards
             cache.version[stale] = state.node_version[stale]
@@ -76,8 +78,9 @@ class FgdScore:
         return cache.score[nodes].astype(np.float64)
 
     @staticmethod
-    def _compute(pod: PodRequest, state: ClusterState, nodes: IntArray,
-                 shapes: ShapeArrays) -> tuple[IntArray, IntArray]:
+    def _compute(pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+                 card_ok: BoolArray | None = None) -> tuple[IntArray, IntArray]:
+        """Scores and chosen cards of `nodes`; `card_ok` (nodes × cards) is what the filters allow."""
         usable = state.card_valid[nodes] & ~state.card_mig[nodes]
         free = np.where(usable, state.card_milli_free[nodes], 0)
         cpu = state.cpu_free[nodes]
@@ -86,11 +89,13 @@ class FgdScore:
         cpu_after = cpu - pod.cpu_milli
         gpu = pod.gpu
         none = np.full(len(nodes), -1, np.int64)
-        if isinstance(gpu, Fraction) and gpu.compute_milli < MILLI_PER_CARD:
+        if isinstance(gpu, Fraction):
             d = gpu.compute_milli
             width = free.shape[1]
             fits = usable & (free >= d)
-            if gpu.memory_mib:
+            if card_ok is not None:
+                fits &= card_ok
+            elif gpu.memory_mib:
                 fits &= state.card_mem_free[nodes] >= gpu.memory_mib
             after_free = free[:, None, :] - d * np.eye(width, dtype=np.int64)[None]
             after = fragmentation(after_free, np.repeat(cpu_after[:, None], width, axis=1),
@@ -165,3 +170,26 @@ class FgdCardPicker:
                                             int(state.card_enc_cap[node, c]), int(state.card_dec_cap[node, c]),
                                             whole=True) for c in cards))
         return self._fallback.pick(cycle, pod, state, node, eligible)
+
+
+class FgdPackScore(OnlineFgdScore):
+    """Our online policy: FGD with M learned online, ties settled by packing.
+
+    FGD's integer score leaves many nodes equal (a large share of decisions tie on hundreds of nodes).
+    Among equals this prefers the node whose GPUs and CPU are fullest after the placement (best fit),
+    so slivers are filled before fresh nodes are touched; the fraction added stays below 1, so it never
+    overrides a better FGD score.
+    """
+
+    name = "FGD-pack"
+
+    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
+        base = super().score(cycle, pod, state, nodes)
+        usable = state.card_valid[nodes] & ~state.card_mig[nodes]
+        free_gpu = np.where(usable, state.card_milli_free[nodes], 0).sum(axis=1) - pod.gpu_milli_total
+        cap_gpu = np.maximum(state.gpu_milli_cap[nodes], 1)
+        free_cpu = state.cpu_free[nodes] - pod.cpu_milli
+        cap_cpu = np.maximum(state.cpu_cap[nodes], 1)
+        leftover = 0.5 * free_gpu / cap_gpu + 0.5 * free_cpu / cap_cpu  # 0 (full) … 1 (empty)
+        out: FloatArray = base + 0.999 * (1.0 - np.clip(leftover, 0.0, 1.0))
+        return out
