@@ -778,7 +778,12 @@ def test_online_fgd_observes_through_score_and_rescores_after_a_rebuild(monkeypa
     spy.take()
     scores(plugin, shaped("b", 500), state)  # 1 arrival since the rebuild: M unchanged, cache hit
     assert spy.take() == []
-    scores(plugin, shaped("c", 500), state)  # 2 arrivals: M rebuilt, every node rescored
+    scores(plugin, shaped("c", 500), state)  # 2 arrivals: M recomputed but unchanged, so the cache stays
+    assert spy.take() == []
+    scores(plugin, shaped("d", 300), state)  # a new shape: its own cache entry scores every node once
+    assert spy.take() == [[0, 1, 2, 3, 4]]
+    scores(plugin, shaped("e", 300), state)  # M moved ({500: 3, 300: 2}): every cached score is dropped
+    assert plugin.typical.shapes == ((1000, 500, 1, None), (1000, 300, 1, None))
     assert spy.take() == [[0, 1, 2, 3, 4]]
 
 

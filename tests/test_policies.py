@@ -669,7 +669,7 @@ def test_tie_breaking_is_deterministic_for_a_seed() -> None:
 def test_registry_unknown_policies() -> None:
     registry = default_registry()
     with pytest.raises(PolicyError, match=r"unknown node policy 'tightest' \(choose from bestfit, binpack, dotprod, "
-                                          r"fgd, fgd-online, fgd-pack, gpu-clustering, gpu-packing, random, spread\)"):
+                                          r"fgd, fgd-online, fgd-used, gpu-clustering, gpu-packing, random, spread\)"):
         registry.build(PolicyConfig(node_policy="tightest"))
     with pytest.raises(PolicyError, match=r"unknown card policy 'nope' "
                                           r"\(choose from binpack, card-only-one, custom-topo, spread\)"):

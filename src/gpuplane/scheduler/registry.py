@@ -21,7 +21,7 @@ from gpuplane.scheduler.plugins.baselines import (
     RandomScore,
 )
 from gpuplane.scheduler.plugins.cards import CardOnlyOne, CardOnlyOneScope, CardOrder, OrderedCardPicker
-from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdPackScore, FgdScore, OnlineFgdScore
+from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdScore, FgdUsedScore, OnlineFgdScore
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
 from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.scheduler.plugins.topo import CustomTopo, TopoConfig
@@ -145,8 +145,8 @@ def default_registry() -> Registry:
     registry.register_node_policy("bestfit", lambda c: _paper(BestFitScore()))
     registry.register_node_policy("fgd", lambda c: _paper(FgdScore(_typical(c)), FgdCardPicker()))
     registry.register_node_policy("fgd-online", lambda c: _paper(OnlineFgdScore(), FgdCardPicker()))
-    # Ours: online M, ties settled by packing (docs/fragmentation.md).
-    registry.register_node_policy("fgd-pack", lambda c: _paper(FgdPackScore(), FgdCardPicker()))
+    # Ours: online M, ties go to nodes already in use (docs/fragmentation.md).
+    registry.register_node_policy("fgd-used", lambda c: _paper(FgdUsedScore(), FgdCardPicker()))
     registry.register_card_policy("binpack", lambda c: ((), OrderedCardPicker("binpack", CardOrder.PACK)))
     registry.register_card_policy("spread", lambda c: ((), OrderedCardPicker("spread", CardOrder.SPREAD)))
     registry.register_card_policy("card-only-one", _card_only_one)

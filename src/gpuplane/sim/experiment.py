@@ -21,7 +21,7 @@ from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim.replay import run_fill
 from gpuplane.sim.trace import bundled_path, load_nodes, load_pods, resolve_trace
 
-FRAG_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd", "fgd-online", "fgd-pack")
+FRAG_POLICIES = ("random", "dotprod", "gpu-clustering", "gpu-packing", "bestfit", "fgd", "fgd-online", "fgd-used")
 ARRIVED_POINTS = np.arange(0, 131)
 PUBLISHED = {
     "default": {"random": 13.75, "dotprod": 9.445, "gpu-clustering": 8.42, "gpu-packing": 8.195,

@@ -119,8 +119,10 @@ class OnlineFgdScore(FgdScore):
 
     name = "FGD-online"
 
-    def __init__(self, half_life: float = 2000.0, refresh: int = 100, threshold: float = 0.95) -> None:
+    def __init__(self, half_life: float = 2000.0, refresh: int = 100, threshold: float = 0.95,
+                 tolerance: float = 0.005) -> None:
         super().__init__(TypicalPods((), np.zeros(0)))
+        self.tolerance = tolerance
         self.decay = 0.5 ** (1.0 / half_life)
         self.refresh = refresh
         self.threshold = threshold
@@ -141,9 +143,13 @@ class OnlineFgdScore(FgdScore):
             if self._weight > 1e200:
                 self.counts = Counter({k: v / self._weight for k, v in self.counts.items()})
                 self._weight = 1.0
-            self.typical = TypicalPods.from_counts(self.counts, self.threshold)
-            self._arrays = None
+            fresh = TypicalPods.from_counts(self.counts, self.threshold)
             self._since = 0
+            # Every new M invalidates every cached score: keep the old one while it barely moved.
+            if fresh.shapes != self.typical.shapes or \
+                    float(np.abs(fresh.popularity - self.typical.popularity).max()) > self.tolerance:
+                self.typical = fresh
+                self._arrays = None
 
 
 class FgdCardPicker:
@@ -172,24 +178,19 @@ class FgdCardPicker:
         return self._fallback.pick(cycle, pod, state, node, eligible)
 
 
-class FgdPackScore(OnlineFgdScore):
-    """Our online policy: FGD with M learned online, ties settled by packing.
+class FgdUsedScore(OnlineFgdScore):
+    """Our online policy: FGD with M learned online; among equal FGD scores, nodes already in use win.
 
-    FGD's integer score leaves many nodes equal (a large share of decisions tie on hundreds of nodes).
-    Among equals this prefers the node whose GPUs and CPU are fullest after the placement (best fit),
-    so slivers are filled before fresh nodes are touched; the fraction added stays below 1, so it never
-    overrides a better FGD score.
+    The FGD score is an integer, so hundreds of nodes often tie. Settling ties in one fixed node order
+    is what makes FGD work (it keeps landing small pods on the same nodes); this adds one rule before
+    the order: a node that already runs something beats an untouched one, so idle nodes stay whole for
+    pods that need a whole node. Adding 0.5 never overrides a better FGD score.
     """
 
-    name = "FGD-pack"
+    name = "FGD-used"
 
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
         base = super().score(cycle, pod, state, nodes)
-        usable = state.card_valid[nodes] & ~state.card_mig[nodes]
-        free_gpu = np.where(usable, state.card_milli_free[nodes], 0).sum(axis=1) - pod.gpu_milli_total
-        cap_gpu = np.maximum(state.gpu_milli_cap[nodes], 1)
-        free_cpu = state.cpu_free[nodes] - pod.cpu_milli
-        cap_cpu = np.maximum(state.cpu_cap[nodes], 1)
-        leftover = 0.5 * free_gpu / cap_gpu + 0.5 * free_cpu / cap_cpu  # 0 (full) … 1 (empty)
-        out: FloatArray = base + 0.999 * (1.0 - np.clip(leftover, 0.0, 1.0))
+        used = (state.gpu_milli_used[nodes] > 0) | (state.cpu_free[nodes] < state.cpu_cap[nodes])
+        out: FloatArray = base + 0.5 * used
         return out

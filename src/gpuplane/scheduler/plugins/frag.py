@@ -100,18 +100,36 @@ def fragmentation(free: IntArray, cpu_free: IntArray, model_idx: npt.NDArray[np.
     `free` is (..., G) milli-GPU free per card (padding 0), `cpu_free` and `model_idx` are (...,).
     Returns F with the batch shape.
     """
-    total = free.sum(axis=-1)
+    values = free.astype(np.float64)
+    total = values.sum(axis=-1)
     d = shapes.milli.reshape((-1, *((1,) * free.ndim)))  # (M, 1.., 1)
-    big_enough = free[None] >= d  # (M, ..., G)
-    small = np.where(big_enough, 0, free[None]).sum(axis=-1)  # (M, ...)
-    count = big_enough.sum(axis=-1)
+    big_enough = values[None] >= d  # (M, ..., G)
+    # Reductions over the short card axis are slow as ufunc reduces: the sum of small cards is a matmul
+    # with ones, and the count of big-enough cards reads 8 flags at a time as one uint64.
+    small = (values[None] * ~big_enough) @ np.ones(free.shape[-1])  # (M, ...)
+    count = _count_last_axis(big_enough)
     extra = (1,) * (free.ndim - 1)
     hostable = (count >= shapes.cards.reshape((-1, *extra))) \
         & (cpu_free[None] >= shapes.cpu.reshape((-1, *extra))) \
         & shapes.model_ok[:, model_idx] \
         & (shapes.milli.reshape((-1, *extra)) > 0)
     per_shape = np.where(hostable, small, total[None])
-    out: FloatArray = np.tensordot(shapes.popularity, per_shape.astype(np.float64), axes=1)
+    out: FloatArray = np.tensordot(shapes.popularity, per_shape, axes=1)
+    return out
+
+
+_BYTE_SUM = np.uint64(0x0101010101010101)
+_TOP_BYTE = np.uint64(56)
+
+
+def _count_last_axis(flags: BoolArray) -> IntArray:
+    """How many flags are set along the last axis (its length must be a multiple of 8)."""
+    if flags.shape[-1] % 8:
+        counted: IntArray = flags.sum(axis=-1)
+        return counted
+    words = np.ascontiguousarray(flags).view(np.uint64)
+    counts = (words * _BYTE_SUM) >> _TOP_BYTE
+    out: IntArray = counts.sum(axis=-1, dtype=np.int64) if words.shape[-1] > 1 else counts[..., 0].astype(np.int64)
     return out
 
 
