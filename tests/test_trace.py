@@ -328,3 +328,15 @@ def test_gpu_memory_column_errors(tmp_path: Path, row: str, message: str) -> Non
     with pytest.raises(TraceError, match=message) as info:
         load_pods(pods, CATALOG)
     assert (info.value.line, info.value.column) == (2, "gpu_memory_mib")
+
+
+def test_errors_survive_pickling_across_processes() -> None:
+    import pickle
+
+    from gpuplane.model import RequestError
+
+    error = pickle.loads(pickle.dumps(TraceError("pods.csv", 7, "gpu_milli", "too big")))
+    assert (error.path, error.line, error.column, error.reason, str(error)) == (
+        "pods.csv", 7, "gpu_milli", "too big", "pods.csv:7: gpu_milli: too big")
+    request = pickle.loads(pickle.dumps(RequestError("cpu_milli", "must not be negative")))
+    assert (request.field, str(request)) == ("cpu_milli", "cpu_milli: must not be negative")

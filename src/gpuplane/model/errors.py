@@ -17,6 +17,10 @@ class RequestError(GpuplaneError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
+
+    def __reduce__(self) -> tuple[type[RequestError], tuple[str, str]]:
+        return RequestError, (self.field, self.reason)
 
 
 class NodeSpecError(GpuplaneError):

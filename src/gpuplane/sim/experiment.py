@@ -112,8 +112,10 @@ def _run_star(args: tuple[RunKey, str | None]) -> RunResult:
 def sweep(traces: Sequence[str], policies: Sequence[str], seeds: Sequence[int], *, nodes_path: str | None = None,
           workers: int = 2, progress: Callable[[int, int], None] | None = None) -> list[RunResult]:
     """Every (trace, policy, seed) run, in a pool of `workers` processes. Order of results: as listed."""
+    # Load every input here: bad files fail before any worker starts, and forked workers inherit the cache.
+    _nodes(nodes_path)
     for trace in traces:
-        resolve_trace(trace)  # unknown bundled names fail here, before any worker starts
+        _typical(trace)
     keys = [RunKey(t, p, s) for t in traces for p in policies for s in seeds]
     # The slowest runs first, so the pool does not end waiting on one long run.
     order = sorted(range(len(keys)), key=lambda i: not keys[i].policy.startswith("fgd"))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from gpuplane.model import GpuplaneError, PoolConfig
+from gpuplane.model import PoolConfig
+from gpuplane.model.yamlfile import load_yaml_model
 
 
 class _Pool(BaseModel):
@@ -29,15 +29,5 @@ class _Pools(BaseModel):
 
 def load_pools(path: str | Path) -> dict[str, PoolConfig]:
     """Parse a pools file; errors name the file and the field (e.g. `pools.dev.memory_oversell`)."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise GpuplaneError(f"{path}: {exc}") from None
-    try:
-        parsed = _Pools.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise GpuplaneError(f"{path}: {where}: {first['msg']}") from None
+    parsed = load_yaml_model(path, _Pools)
     return {name: PoolConfig(memory_oversell=pool.memory_oversell) for name, pool in parsed.pools.items()}

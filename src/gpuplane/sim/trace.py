@@ -44,6 +44,10 @@ class TraceError(GpuplaneError):
         self.column = column
         self.reason = message
 
+    def __reduce__(self) -> tuple[type[TraceError], tuple[str, int, str, str]]:
+        # Picklable with its four fields, so it crosses process boundaries (experiment workers).
+        return TraceError, (self.path, self.line, self.column, self.reason)
+
 
 @dataclass(frozen=True, slots=True)
 class TracePod:

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuplane.model import ClusterState, GpuplaneError, PodRequest
+from gpuplane.model.yamlfile import load_yaml_model
 from gpuplane.scheduler.framework import BoolArray, CardCheck, CardPick, Check, CycleState, NodeCheck
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
 
@@ -54,17 +54,7 @@ class TopoConfigError(GpuplaneError):
 
 def load_topo_config(path: str | Path) -> TopoConfig:
     """Parse and validate a custom-topo YAML file; errors name the file, rule and field."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise TopoConfigError(f"{path}: {exc}") from None
-    try:
-        config = TopoConfig.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise TopoConfigError(f"{path}: {where}: {first['msg']}") from None
+    config = load_yaml_model(path, TopoConfig, TopoConfigError)
     seen: set[tuple[str, int | None]] = set()
     for index, rule in enumerate(config.rules):
         key = (rule.workload, rule.instance)
