@@ -336,7 +336,7 @@ def test_fgd_scores_filling_a_sliver(pods: TypicalPods, expected: list[int]) -> 
     cycle = CycleState()
     got = FgdScore(pods).score(cycle, pod("p").cpu(1000).fraction(500).obj(), state, np.arange(2))
     assert got.tolist() == expected
-    assert cycle.read(FGD_CARD) == {0: 0, 1: 0}  # a: the only card that fits; b: first of two equal cards
+    assert cycle.read(FGD_CARD)[:2].tolist() == [0, 0]  # a: the only card that fits; b: first of two equal cards
 
 
 @pytest.mark.parametrize("pods", [WHOLE_TYPICAL, SLIVER_TYPICAL], ids=["whole-typical", "600-typical"])
@@ -365,7 +365,7 @@ def test_fgd_picks_the_card_whose_leftover_stays_useful() -> None:
     request = pod("p").fraction(500).obj()
     cycle = CycleState()
     assert FgdScore(pods).score(cycle, request, state, np.arange(1)).tolist() == [50]
-    assert cycle.read(FGD_CARD) == {0: 1}
+    assert cycle.read(FGD_CARD)[0] == 1
     assert chosen_card(fgd_framework(pods).schedule(request, state)) == [1]
     # best fit (binpack cards) would take the fuller card 0 and leave a useless 200
     assert chosen_card(framework("binpack", "binpack").schedule(request, state)) == [0]
@@ -439,7 +439,7 @@ def assert_matches_fresh(cached: FgdScore, request: PodRequest, state: ClusterSt
     got = cached.score(cycle, request, state, nodes)
     want = FgdScore(cached.typical).score(fresh_cycle, request, state, nodes)
     np.testing.assert_array_equal(got, want)
-    assert cycle.read(FGD_CARD) == fresh_cycle.read(FGD_CARD)
+    np.testing.assert_array_equal(cycle.read(FGD_CARD)[nodes], fresh_cycle.read(FGD_CARD)[nodes])
 
 
 SHARE = pod("p").cpu(1000).fraction(500).obj()

@@ -21,8 +21,8 @@ from gpuplane.scheduler.framework import CARD_OK, BoolArray, CardPick, CycleStat
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
 from gpuplane.scheduler.plugins.frag import Shape, ShapeArrays, TypicalPods, fragmentation, pod_shape, sigmoid_score
 
-FGD_CARD: StateKey[dict[int, int]] = StateKey("fgd/card")
-"""The card FGD chose on each scored node, for the picker."""
+FGD_CARD: StateKey[IntArray] = StateKey("fgd/card")
+"""Per node row, the card FGD chose (valid for the nodes scored this cycle), for the picker."""
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class FgdScore:
             cache.score[stale] = scores
             cache.card[stale] = cards
             cache.version[stale] = state.node_version[stale]
-        cycle.write(FGD_CARD, {int(i): int(c) for i, c in zip(nodes, cache.card[nodes], strict=True)})
+        cycle.write(FGD_CARD, cache.card)
         return cache.score[nodes].astype(np.float64)
 
     @staticmethod
@@ -163,7 +163,8 @@ class FgdCardPicker:
     def pick(self, cycle: CycleState, pod: PodRequest, state: ClusterState, node: int,
              eligible: BoolArray) -> CardPick | None:
         gpu = pod.gpu
-        chosen = cycle.get(FGD_CARD, {}).get(node, -1)
+        chosen_cards = cycle.find(FGD_CARD)
+        chosen = int(chosen_cards[node]) if chosen_cards is not None and node < len(chosen_cards) else -1
         if isinstance(gpu, Fraction) and chosen >= 0 and eligible[chosen]:
             memory = gpu.memory_on(int(state.card_mem_phys[node, chosen]))
             share = CardShare(chosen, gpu.compute_milli, memory, gpu.encoders, gpu.decoders)
