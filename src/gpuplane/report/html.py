@@ -66,6 +66,9 @@ def plot_allocation(results: Sequence[SimulationResult]) -> str:
             ax.plot(hours, series.allocation_pct, label=f"allocation, {_label(result)}", linewidth=1.2)
             ax.plot(hours, series.utilisation_pct, label=f"utilisation, {_label(result)}", linewidth=1.0,
                     linestyle="--")
+        start, end = results[0].window_s
+        if end > start:
+            ax.axvspan(start / 3600.0, end / 3600.0, color="grey", alpha=0.08, label="measurement window")
         ax.set_xlabel("virtual time (hours)")
         ax.set_ylabel("% of cluster GPU capacity")
         ax.set_ylim(0, 100)
