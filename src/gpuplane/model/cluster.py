@@ -354,16 +354,23 @@ class ClusterState:
         profile = model.mig_profile(share.mig_profile) if model and share.mig_profile is not None else None
         if model is None or profile is None or share.mig_start is None:
             return f"card {c} has no MIG profile {share.mig_profile}"
+        if share.mig_start not in profile.starts:
+            return f"start {share.mig_start} is not legal for profile {profile.name}"
+        refusal = self._mig_refusal(n, c, profile, model)
+        if refusal is not None:
+            return refusal
+        if int(self.card_mig_slots[n, c]) & profile.slot_mask(share.mig_start):
+            return f"memory slices of card {c} overlap"
+        return None
+
+    def _mig_refusal(self, n: int, c: int, profile: MigProfile, model: CardModel) -> str | None:
+        """Why card (n, c) cannot take another instance of `profile` at any start, or None."""
         if not self.card_mig_allowed[n, c]:
             return f"card {c} does not take MIG instances"
         if not self.card_mig[n, c] and self.card_holders[n, c]:
             return f"card {c} has non-MIG holders"
-        if share.mig_start not in profile.starts:
-            return f"start {share.mig_start} is not legal for profile {profile.name}"
         if profile.media_extensions and self.card_mig_me[n, c]:
             return f"card {c} already has a +me instance"
-        if int(self.card_mig_slots[n, c]) & profile.slot_mask(share.mig_start):
-            return f"memory slices of card {c} overlap"
         if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
             return f"card {c} lacks compute slices"
         count = sum(1 for inst in self.mig_instances.get((n, c), ()) if inst.profile_id == profile.profile_id)
@@ -469,16 +476,7 @@ class ClusterState:
     def mig_fits(self, n: int, c: int, profile: MigProfile) -> list[int]:
         """Legal free starts for `profile` on card (n, c), honouring the profile's count limit."""
         model = self.model_of(n)
-        if model is None or not self.card_mig_allowed[n, c]:
-            return []
-        if not self.card_mig[n, c] and self.card_holders[n, c]:
-            return []
-        if self.card_mig_compute[n, c] + profile.compute_slices > model.compute_slices:
-            return []
-        if profile.media_extensions and self.card_mig_me[n, c]:
-            return []
-        instances = self.mig_instances.get((n, c), ())
-        if sum(1 for inst in instances if inst.profile_id == profile.profile_id) >= profile.max_count:
+        if model is None or self._mig_refusal(n, c, profile, model) is not None:
             return []
         occupied = int(self.card_mig_slots[n, c])
         return [s for s in profile.starts if not occupied & profile.slot_mask(s)]
