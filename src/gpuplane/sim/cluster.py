@@ -26,6 +26,17 @@ class Workload:
     next_index: int = 0
 
 
+def _merge(pairs: tuple[tuple[str, str], ...], changes: Mapping[str, str | None]) -> tuple[tuple[str, str], ...]:
+    """Apply a Kubernetes-style map patch: a None value removes the key. Result sorted by key."""
+    merged = dict(pairs)
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return tuple(sorted(merged.items()))
+
+
 class SimCluster:
     def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec], *, loop: EventLoop | None = None,
                  pools: Mapping[str, PoolConfig] | None = None) -> None:
@@ -188,30 +199,19 @@ class SimCluster:
             return Status.error(f"node {node} not found")
         spec = info.spec
         if labels is not None:
-            merged = dict(spec.labels)
-            for key, value in labels.items():
-                if value is None:
-                    merged.pop(key, None)
-                else:
-                    merged[key] = value
-            spec = spec.with_changes(labels=tuple(sorted(merged.items())))
+            spec = spec.with_changes(labels=_merge(spec.labels, labels))
         if taints is not None:
             spec = spec.with_changes(taints=tuple(taints))
         if unschedulable is not None:
             spec = spec.with_changes(schedulable=not unschedulable)
         if pool is not None:
             spec = spec.with_changes(pool=pool)
-        notes = dict(info.annotations)
-        for key, value in (annotations or {}).items():
-            if value is None:
-                notes.pop(key, None)
-            else:
-                notes[key] = value
+        notes = _merge(info.annotations, annotations or {})
         try:
             self.state.update_node(spec)
         except NodeSpecError as exc:
             return Status.error(f"invalid: {exc}")
-        updated = NodeInfo(spec, info.resource_version + 1, tuple(sorted(notes.items())))
+        updated = NodeInfo(spec, info.resource_version + 1, notes)
         self._nodes[node] = updated
         self._emit(EventKind.NODE_UPDATED, node=updated)
         return Status.success()

@@ -58,25 +58,25 @@ def _vectors(pod: PodRequest, state: ClusterState, nodes: IntArray,
     return used, request, np.array(capacity_rows, np.int64), weights[dims]
 
 
-class BinpackScore:
+class _AllocationScore:
+    _function = staticmethod(most_allocated)
+
+    def __init__(self, weights: ResourceWeights | None = None) -> None:
+        self.weights = (weights or ResourceWeights()).array()
+
+    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
+        return self._function(*_vectors(pod, state, nodes, self.weights))
+
+
+class BinpackScore(_AllocationScore):
     """Fill the most-used nodes first (MostAllocated after placing the pod)."""
 
     name = "Binpack"
-
-    def __init__(self, weights: ResourceWeights | None = None) -> None:
-        self.weights = (weights or ResourceWeights()).array()
-
-    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        return most_allocated(*_vectors(pod, state, nodes, self.weights))
+    _function = staticmethod(most_allocated)
 
 
-class SpreadScore:
+class SpreadScore(_AllocationScore):
     """Use the least-used nodes first (LeastAllocated after placing the pod)."""
 
     name = "Spread"
-
-    def __init__(self, weights: ResourceWeights | None = None) -> None:
-        self.weights = (weights or ResourceWeights()).array()
-
-    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        return least_allocated(*_vectors(pod, state, nodes, self.weights))
+    _function = staticmethod(least_allocated)
