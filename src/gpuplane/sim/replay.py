@@ -157,11 +157,22 @@ def _outcome_text(decision: Decision) -> str:
     return decision.status.message or decision.status.code.value
 
 
-def _why_rows(scheduler: Scheduler, decision: Decision) -> list[tuple[str, str]]:
-    names = [spec.name for spec in scheduler.state.nodes]
+def _explain(result: SimulationResult, scheduler: Scheduler, request: PodRequest, decision: Decision) -> None:
+    """Keep the per-node reasons (or the chosen node) of a decision someone asked about with `why=`."""
     if decision.diagnosis is None:
-        return [(decision.assignment.node if decision.assignment else "?", "chosen")]
-    return [(names[i], decision.diagnosis.node_reason(i) or "feasible") for i in range(len(names))]
+        node = decision.assignment.node if decision.assignment else "?"
+        result.why[request.name] = [(node, "chosen")]
+        result.why_message[request.name] = f"placed on {node}"
+        return
+    names = [spec.name for spec in scheduler.state.nodes]
+    result.why[request.name] = [(names[i], decision.diagnosis.node_reason(i) or "feasible") for i in range(len(names))]
+    result.why_message[request.name] = decision.status.message
+
+
+def _placement(seq: int, request: PodRequest, decision: Decision) -> Placement:
+    assignment = decision.assignment
+    return Placement(seq, request, assignment.node if assignment else "", assignment.card_indexes if assignment else (),
+                     "placed" if decision.status.ok else decision.status.message)
 
 
 def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequest], profile: Profile, *,
@@ -211,14 +222,9 @@ def run_fill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequ
                     result.card_used_milli_at_100 = used_cards
                 snapshots[mark] = True
         if record_placements:
-            assignment = decision.assignment
-            result.placements.append(Placement(seq, request, assignment.node if assignment else "",
-                                               assignment.card_indexes if assignment else (),
-                                               "placed" if decision.status.ok else decision.status.message))
+            result.placements.append(_placement(seq, request, decision))
         if request.name in wanted:
-            result.why[request.name] = _why_rows(scheduler, decision)
-            result.why_message[request.name] = "placed on " + decision.assignment.node if decision.assignment \
-                else decision.status.message
+            _explain(result, scheduler, request, decision)
         if progress is not None and (seq % 512 == 0 or seq == total - 1):
             progress(seq + 1, total)
     result.wall_s = time.perf_counter() - started
@@ -329,8 +335,7 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
         request = outcome.request
         result.decisions += 1
         if request.name in wanted:
-            result.why[request.name] = _why_rows(scheduler, decision)
-            result.why_message[request.name] = decision.status.message or "placed"
+            _explain(result, scheduler, request, decision)
         if decision.status.ok and decision.assignment is not None:
             i = index_of[request.name]
             result.placed += 1
@@ -339,9 +344,7 @@ def run_timed(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[TraceP
             busy_milli += decision.assignment.gpu_milli * busy_share[i]
             loop.call_later(float(durations[i]), functools.partial(depart, request.name, i))
         if record_placements and (decision.status.ok or outcome.attempt == 1):
-            a = decision.assignment
-            result.placements.append(Placement(seq, request, a.node if a else "", a.card_indexes if a else (),
-                                               "placed" if decision.status.ok else decision.status.message))
+            result.placements.append(_placement(seq, request, decision))
             seq += 1
         return True
 
