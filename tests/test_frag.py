@@ -499,6 +499,20 @@ def test_cache_starts_over_for_another_cluster_state(monkeypatch: pytest.MonkeyP
     np.testing.assert_array_equal(got, scores(FgdScore(CACHE_TYPICAL), SHARE, other))
 
 
+def test_cache_starts_over_for_a_copy_at_the_same_node_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy has the same node versions as its original, so only its identity can tell the caches apart
+    # (object ids can be reused once a state is freed, which made this flaky when keyed on id()).
+    spy = ComputeSpy(monkeypatch)
+    plugin = FgdScore(CACHE_TYPICAL)
+    state = cache_cluster()
+    scores(plugin, SHARE, state)
+    spy.take()
+    clone = state.copy()
+    assert clone.uid != state.uid
+    scores(plugin, SHARE, clone)
+    assert spy.take() == [[0, 1, 2, 3, 4]]
+
+
 # ============================================================================ 6. baselines' arithmetic
 
 

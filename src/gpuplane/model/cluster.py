@@ -12,6 +12,7 @@ Invariants, checked by `check_invariants` and by the property tests:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
 
 CARD_ROW_ALIGN = 8
+_STATE_UIDS = itertools.count(1)
+"""Distinct for every ClusterState and copy: caches key on it (`id()` can be reused after a free)."""
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _TOP_BYTE = np.uint64(56)
 
@@ -115,6 +118,7 @@ class ClusterState:
 
     def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec],
                  pools: Mapping[str, PoolConfig] | None = None) -> None:
+        self.uid = next(_STATE_UIDS)
         self.catalog = catalog
         self.pools: dict[str, PoolConfig] = dict(pools or {})
         self.models: list[CardModel] = list(catalog)
@@ -485,6 +489,7 @@ class ClusterState:
         """An independent copy, for what-if evaluation (preemption, gang trial placement)."""
         clone = object.__new__(ClusterState)
         clone.__dict__.update(self.__dict__)
+        clone.uid = next(_STATE_UIDS)
         for name in (*self._NODE_ARRAYS, *self._CARD_ARRAYS):
             setattr(clone, name, getattr(self, name).copy())
         clone.nodes = list(self.nodes)

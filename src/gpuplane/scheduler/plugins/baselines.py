@@ -104,8 +104,8 @@ class GpuClusteringScore:
     def _classes(self, state: ClusterState, nodes: IntArray) -> BoolArray:
         """Which GPU classes each node holds, recomputed only for nodes that changed."""
         n = state.size
-        if self._state_id != id(state) or len(self._version) < n:
-            self._state_id = id(state)
+        if self._state_id != state.uid or len(self._version) < n:
+            self._state_id = state.uid
             self._version = np.full(n, -1, np.int64)
             self._present = np.zeros((n, self.CLASSES), np.bool_)
         for node in nodes[self._version[nodes] != state.node_version[nodes]]:

@@ -43,13 +43,13 @@ class FgdScore:
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset(self, state: ClusterState) -> ShapeArrays:
-        self._state_id = id(state)
+        self._state_id = state.uid
         self._arrays = ShapeArrays.build(self.typical, state)
         self._caches.clear()
         return self._arrays
 
     def _shapes(self, state: ClusterState) -> ShapeArrays:
-        if self._arrays is None or self._state_id != id(state):
+        if self._arrays is None or self._state_id != state.uid:
             return self._reset(state)
         return self._arrays
 
