@@ -24,6 +24,7 @@ from gpuplane.model.assignment import Assignment, CardShare
 from gpuplane.model.catalog import MILLI_PER_CARD, CardModel, Catalog, MigProfile
 from gpuplane.model.errors import NodeSpecError, PlacementError
 from gpuplane.model.node import MigMode, NodeSpec
+from gpuplane.model.podtable import PodTable
 from gpuplane.model.request import MigSlice, PodRequest, WholeCards
 
 BoolArray = npt.NDArray[np.bool_]
@@ -133,6 +134,8 @@ class ClusterState:
         """Names of the pods placed on each node."""
         self._allowed_cache: dict[frozenset[str] | None, BoolArray] = {}
         self.tainted: set[int] = set()
+        self.pod_table = PodTable()
+        """Every placed pod and card share as numpy rows (for preemption's vectorised screens)."""
         self._alloc(0, 0)
         for spec in nodes:
             self.add_node(spec)
@@ -413,6 +416,9 @@ class ClusterState:
             self.rdma_max_free[n] = max(self.nic_free[n])
         binding = Binding(request, n, assignment)
         self.bindings[request.name] = binding
+        self.pod_table.add(request.name, n, request.priority, request.cpu_milli, request.memory_mib, request.queue,
+                           [(s.card, s.compute_milli, int(self.card_mem_cap[n, s.card]) if s.whole else s.memory_mib,
+                             s.whole, s.mig_profile is not None) for s in assignment.cards])
         self.node_pods[n].add(request.name)
         self.node_version[n] += 1
         return binding
@@ -430,6 +436,7 @@ class ClusterState:
     def release(self, pod: str) -> Binding:
         """Undo a placement exactly. Raises KeyError for a pod that is not placed."""
         binding = self.bindings.pop(pod)
+        self.pod_table.remove(pod)
         self.node_pods[binding.node].discard(pod)
         self.node_version[binding.node] += 1
         n, assignment, request = binding.node, binding.assignment, binding.request
@@ -500,6 +507,7 @@ class ClusterState:
         clone.nic_free = [list(v) for v in self.nic_free]
         clone.node_pods = [set(v) for v in self.node_pods]
         clone.tainted = set(self.tainted)
+        clone.pod_table = self.pod_table.copy()
         clone._allowed_cache = dict(self._allowed_cache)
         return clone
 

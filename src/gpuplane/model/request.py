@@ -105,11 +105,21 @@ class PodRequest:
     models: frozenset[str] | None = None
     """Allowed GPU models (canonical names); None allows every model."""
     priority: int = 0
+    priority_class: str | None = None
+    """Name of a priority class; admission resolves it into `priority` and `preempt`."""
+    preempt: bool | None = None
+    """Preemption policy: True PreemptLowerPriority, False Never, None the class's (default: True)."""
     qos: QoS = QoS.ONLINE
     workload: str | None = None
     instance: int | None = None
     """Index of this pod within its workload (custom-topo rules may name it)."""
     gang: str | None = None
+    gang_size: int = 0
+    """Members the gang needs before any of them starts (all or nothing); 0 for a pod outside a gang."""
+    queue: str | None = None
+    """The queue (tenant) whose quota this pod counts against; None: no quota."""
+    checkpoint_every_s: float = 0.0
+    """How often the pod checkpoints (0: never): preemption loses the work since the last checkpoint."""
     rdma_vfs: int = 0
     pools: frozenset[str] | None = None
     """Node pools the pod may run in; None allows every pool."""
@@ -124,8 +134,19 @@ class PodRequest:
                 raise RequestError(name, f"must not be negative, got {getattr(self, name)}")
         if self.instance is not None and self.instance < 0:
             raise RequestError("instance", f"must not be negative, got {self.instance}")
+        if self.gang is not None and self.gang_size < 1:
+            raise RequestError("gang_size", f"a gang member needs gang_size of at least 1, got {self.gang_size}")
+        if self.gang is None and self.gang_size:
+            raise RequestError("gang_size", "gang_size is set but the pod names no gang")
+        if self.checkpoint_every_s < 0:
+            raise RequestError("checkpoint_every_s", f"must not be negative, got {self.checkpoint_every_s}")
         if self.models is not None and not self.models:
             raise RequestError("models", "an empty set of allowed models can never be satisfied")
+
+    @property
+    def preempts(self) -> bool:
+        """Whether this pod may evict lower-priority pods (PreemptLowerPriority)."""
+        return self.preempt is not False
 
     @property
     def gpu_milli_total(self) -> int:

@@ -58,6 +58,7 @@ class EventKind(enum.Enum):
     POD_BOUND = "PodBound"
     POD_TERMINATING = "PodTerminating"
     POD_DELETED = "PodDeleted"
+    POD_FAILED = "PodFailed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,9 @@ class ClusterPort(Protocol):
         """Deliver every later event to `handler`, in order. Returns a function that stops delivery."""
         ...
 
-    def create_pod(self, request: PodRequest) -> Status: ...
+    def create_pod(self, request: PodRequest) -> Status:
+        """Submit a pod. Admission may refuse it (code ERROR, reason starting "rejected")."""
+        ...
 
     def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
         """Bind a pending pod with its card assignment.
@@ -99,6 +102,10 @@ class ClusterPort(Protocol):
         ...
 
     def delete_pod(self, pod: str) -> Status: ...
+
+    def fail_pod(self, pod: str, reason: str) -> Status:
+        """Give up on a pending pod: it turns FAILED with `reason` (a gang that timed out, say)."""
+        ...
 
     def scale(self, workload: str, replicas: int) -> Status: ...
 

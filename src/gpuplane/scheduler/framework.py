@@ -69,6 +69,8 @@ class CycleState:
         return value
 
 
+OUTSIDE = "outside the nodes considered"
+
 CARD_OK: StateKey[BoolArray] = StateKey("framework/card-ok")
 """Cards (nodes × card slots) that every card check so far has passed."""
 
@@ -201,16 +203,24 @@ class Framework:
         self.rng = rng
         self._rank = np.zeros(0, np.int64)
 
-    def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState,
-                   *, diagnose: bool = True) -> tuple[BoolArray, Diagnosis | None]:
-        """Run every filter. Returns the feasible-node mask and, if asked, why the others failed."""
+    def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState, *, diagnose: bool = True,
+                   within: BoolArray | None = None) -> tuple[BoolArray, Diagnosis | None]:
+        """Run every filter. Returns the feasible-node mask and, if asked, why the others failed.
+
+        `within` limits the search to some nodes (a gang's network block, a preemption candidate); the
+        others are rejected as "outside the nodes considered", a reason preemption cannot fix.
+        """
         n = state.size
-        alive = np.ones(n, np.bool_)
+        alive = np.ones(n, np.bool_) if within is None else within[:n].copy()
         card_ok = state.card_valid[:n].copy()
         cycle.write(CARD_OK, card_ok)
         reasons: list[str] = []
         reason_of = np.full(n, -1, np.int64) if diagnose else None
         unresolvable: set[int] = set()
+        if within is not None and reason_of is not None and not alive.all():
+            reasons.append(OUTSIDE)
+            reason_of[~alive] = 0
+            unresolvable.add(0)
         gpu = pod.gpu
         need = gpu.count if isinstance(gpu, WholeCards) else 1
         for plugin in self.profile.filters:
@@ -257,10 +267,14 @@ class Framework:
             return int(top[np.argmin(self._rank[top])])
         return int(top[self.rng.integers(len(top))])
 
-    def schedule(self, pod: PodRequest, state: ClusterState) -> Decision:
-        """Decide where `pod` goes. Does not change `state`; the caller reserves and binds."""
-        cycle = CycleState()
-        alive, diagnosis = self.find_nodes(cycle, pod, state)
+    def schedule(self, pod: PodRequest, state: ClusterState, *, within: BoolArray | None = None,
+                 cycle: CycleState | None = None) -> Decision:
+        """Decide where `pod` goes. Does not change `state`; the caller reserves and binds.
+
+        `cycle` may carry keys a caller seeds for score plugins (a gang's placed members).
+        """
+        cycle = cycle if cycle is not None else CycleState()
+        alive, diagnosis = self.find_nodes(cycle, pod, state, within=within)
         card_ok = cycle.read(CARD_OK)
         candidates = np.flatnonzero(alive)
         while len(candidates):

@@ -101,9 +101,25 @@ class SchedulingQueue:
         self._group_live[group] += 1
 
     def remove(self, name: str) -> None:
-        self._pods.pop(name, None)
-        if self._parked.pop(name, None) is not None:
+        self.take(name)
+
+    def take(self, name: str) -> QueuedPod | None:
+        """Remove a pod, active or parked, and return its entry (None if it is not queued)."""
+        entry = self._pods.pop(name, None)
+        if entry is not None:
+            return entry
+        entry = self._parked.pop(name, None)
+        if entry is not None:
             self._group_live[self._entry_group.pop(name)] -= 1
+        return entry
+
+    def entries(self) -> list[QueuedPod]:
+        """Every queued entry, active and parked."""
+        return [*self._pods.values(), *self._parked.values()]
+
+    def requeue(self, entry: QueuedPod) -> None:
+        """Put an entry taken out earlier back among the active pods, keeping its arrival order."""
+        self._requeue(entry)
 
     def activate_all(self) -> int:
         """Move every parked pod back (a node was added or changed)."""

@@ -1,20 +1,43 @@
 """The scheduler: a cache of the cluster fed by the port's watch, the framework, and bind through the port.
 
 Like kube-scheduler it *assumes* a pod in its cache before binding and forgets it when the bind fails,
-so the next decision already sees the capacity as taken.
+so the next decision already sees the capacity as taken. On top of the framework it runs:
+
+- quotas: a pod whose queue would exceed its maximum waits (no polling: its queue's next release wakes it);
+- preemption: a pod that fits nowhere evicts the fewest, cheapest eligible pods on one node
+  (`gpuplane.scheduler.preemption`); the freed capacity is reserved for it in the cache at once (its
+  nominated placement), and it is bound when the last victim is gone;
+- gangs: members wait until all have arrived (up to a timeout), then are placed all or nothing in one
+  trial (preempting if they may), so two gangs that each half-fit never hold capacity against each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpuplane.model import Assignment, Catalog, ClusterState, PlacementError, PodRequest, PoolConfig
+from gpuplane.model import (
+    MILLI_PER_CARD,
+    Assignment,
+    Binding,
+    Catalog,
+    ClusterState,
+    PlacementError,
+    PodRequest,
+    PoolConfig,
+)
+from gpuplane.model.priority import PriorityClasses, default_priority_classes
+from gpuplane.model.quota import Quotas
 from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
+from gpuplane.port.status import Code
 from gpuplane.scheduler.framework import Decision, Framework, Profile
+from gpuplane.scheduler.preemption import Preemption, PreemptionPlan, VictimRules, evict_in_place
 from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
+
+NETWORK_BLOCK_LABEL = "gpuplane.io/network-block"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,17 +50,77 @@ class Outcome:
     waited: float
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulingRules:
+    """Priorities, preemption, quotas, disruption budgets and gangs."""
+
+    classes: PriorityClasses = field(default_factory=default_priority_classes)
+    quotas: Quotas = field(default_factory=Quotas)
+    min_available: Mapping[str, int] = field(default_factory=dict)
+    """Per workload, the running pods preemption must leave (a PodDisruptionBudget's minAvailable)."""
+    preemption: bool = True
+    max_candidates: int = 16
+    """Candidate nodes a preemption tries in full, after the vectorised screen."""
+    default_victim_grace_s: float = 30.0
+    """Grace period of a victim whose pod names no priority class."""
+    gang_timeout_s: float = 600.0
+    """How long the first member of a gang waits for the others before the gang is failed."""
+    network_block_label: str = NETWORK_BLOCK_LABEL
+    max_blocks_tried: int = 4
+    """Network blocks a gang tries to fit into alone, biggest free first, before it may span blocks."""
+    nomination_timeout_s: float = 3600.0
+    """A nominated pod whose victims have not gone by then is put back in the queue."""
+
+
+@dataclass(slots=True)
+class Nomination:
+    """Pods whose placement is reserved in the cache until their victims are gone."""
+
+    members: list[tuple[QueuedPod, Assignment]]
+    waiting_for: set[str]
+    deadline: float
+
+
+@dataclass(slots=True)
+class _GangWait:
+    first_seen: float
+    members: dict[str, QueuedPod] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PreemptionStats:
+    attempts: int = 0
+    plans: int = 0
+    victims: int = 0
+    work_lost_gpu_s: float = 0.0
+    gangs_placed: int = 0
+    gangs_failed: int = 0
+
+
 class Scheduler:
     def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int,
-                 pools: Mapping[str, PoolConfig] | None = None, now: Callable[[], float] | None = None) -> None:
+                 pools: Mapping[str, PoolConfig] | None = None, now: Callable[[], float] | None = None,
+                 rules: SchedulingRules | None = None) -> None:
         self.port = port
         self.now = now or (lambda: 0.0)
         self.catalog = catalog
         self.pools = pools
+        self.rules = rules or SchedulingRules()
         self.framework = Framework(profile, np.random.default_rng(seed))
+        self.preemption = Preemption(self.framework, max_candidates=self.rules.max_candidates)
         self.queue = SchedulingQueue()
+        self.stats = PreemptionStats()
+        self.on_deferred: Callable[[Outcome], object] | None = None
+        """Called for outcomes decided outside `run_pending` (a nominated pod bound when its victims left)."""
         self._assumed: dict[str, Assignment] = {}
         """Pods reserved in the cache whose bind has not been confirmed yet."""
+        self._started: dict[str, float] = {}
+        self._nominations: list[Nomination] = []
+        self._victim_of: dict[str, Nomination] = {}
+        self._nominated: dict[str, Nomination] = {}
+        self._gangs: dict[str, _GangWait] = {}
+        self._quota_waiting: dict[str, dict[str, QueuedPod]] = {}
+        self._committing: Nomination | None = None
         self.state = self._build_cache(enqueue=True)
         self._unsubscribe = port.watch(self._on_event)
 
@@ -46,6 +129,7 @@ class Scheduler:
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
                 state.place(pod.request, pod.assignment)
+                self._started[pod.name] = pod.bound_at if pod.bound_at is not None else self.now()
             elif pod.phase is PodPhase.PENDING and enqueue:
                 self.queue.add(pod.request, pod.created_at)
         return state
@@ -53,7 +137,17 @@ class Scheduler:
     def resync(self) -> None:
         """Rebuild the cache from the port's lists (the world's truth), dropping every reservation."""
         self._assumed.clear()
+        dropped = [entry for nomination in self._nominations for entry, _ in nomination.members]
+        self._nominations.clear()
+        self._victim_of.clear()
+        self._nominated.clear()
         self.state = self._build_cache(enqueue=False)
+        for entry in dropped:
+            self.queue.requeue(entry)
+        for waiting in self._quota_waiting.values():
+            for entry in waiting.values():
+                self.queue.requeue(entry)
+        self._quota_waiting.clear()
         self.queue.activate_all()
 
     def close(self) -> None:
@@ -64,22 +158,52 @@ class Scheduler:
         kind = event.kind
         if kind is EventKind.POD_ADDED and event.pod is not None:
             if event.pod.phase is PodPhase.PENDING:
-                self.queue.add(event.pod.request, event.time)
+                self._on_added(event.pod.request, event.time)
         elif kind is EventKind.POD_BOUND and event.pod is not None:
+            self._started[event.pod.name] = event.time
             self._on_bound(event.pod)
-        elif kind is EventKind.POD_DELETED and event.pod is not None:
-            name = event.pod.name
-            self.queue.remove(name)
-            binding = self.state.bindings.get(name)
-            if binding is not None:
-                self.state.release(name)
-                self.queue.activate_for_node(self.state, binding.node)
+        elif kind in (EventKind.POD_DELETED, EventKind.POD_FAILED) and event.pod is not None:
+            self._on_gone(event.pod)
         elif kind is EventKind.NODE_ADDED and event.node is not None:
             self.state.add_node(event.node.spec)
             self.queue.activate_all()
         elif kind is EventKind.NODE_UPDATED and event.node is not None:
             self.state.update_node(event.node.spec)
             self.queue.activate_all()
+
+    def _on_added(self, request: PodRequest, now: float) -> None:
+        self.queue.add(request, now)
+        gang = request.gang
+        if gang is not None and gang in self._gangs:
+            # A new member: the waiting ones go back to the queue to assemble again.
+            for entry in self._gangs[gang].members.values():
+                self.queue.requeue(entry)
+            self._gangs[gang].members.clear()
+
+    def _on_gone(self, pod: PodInfo) -> None:
+        name = pod.name
+        self.queue.remove(name)
+        self._started.pop(name, None)
+        request = pod.request
+        if request.gang is not None and request.gang in self._gangs:
+            self._gangs[request.gang].members.pop(name, None)
+        if request.queue is not None:
+            self._quota_waiting.get(request.queue, {}).pop(name, None)
+        nomination = self._nominated.pop(name, None)
+        if nomination is not None:  # a nominated pod itself went away: drop its reservation
+            nomination.members = [(e, a) for e, a in nomination.members if e.request.name != name]
+        self._assumed.pop(name, None)
+        binding = self.state.bindings.get(name)
+        if binding is not None:
+            self.state.release(name)
+            self.queue.activate_for_node(self.state, binding.node)
+            if request.queue is not None:
+                self._wake_queue(request.queue)
+        waiting = self._victim_of.pop(name, None)
+        if waiting is not None:
+            waiting.waiting_for.discard(name)
+            if not waiting.waiting_for and waiting is not self._committing:
+                self._bind_nomination(waiting)
 
     def _on_bound(self, pod: PodInfo) -> None:
         """The world bound a pod: confirm our reservation, or let the world's binding replace it."""
@@ -119,12 +243,17 @@ class Scheduler:
         decision = self.decide(pod)
         if decision.assignment is None:
             return decision
-        self.state.place(pod, decision.assignment)
+        return self._reserve_and_bind(pod, decision)
+
+    def _reserve_and_bind(self, pod: PodRequest, decision: Decision) -> Decision:
+        assert decision.assignment is not None
+        if pod.name not in self.state.bindings:
+            self.state.place(pod, decision.assignment)
         self._assumed[pod.name] = decision.assignment
         status = self.port.bind(pod.name, decision.assignment)
         still_assumed = self._assumed.pop(pod.name, None) is not None
         if not status.ok:
-            if still_assumed:
+            if still_assumed and pod.name in self.state.bindings:
                 self.state.release(pod.name)
             return Decision(status, None, -1, decision.diagnosis)
         return decision
@@ -135,6 +264,7 @@ class Scheduler:
         `on_outcome` may return False to drop a failed pod instead of parking it (fill replays).
         """
         outcomes: list[Outcome] = []
+        self._expire()
         # Nodes whose freed capacity reactivated a pod that then went elsewhere (or nowhere): the
         # reactivation budget assumed that pod would use the node, so look at the node once more.
         recheck: set[int] = set()
@@ -152,14 +282,373 @@ class Scheduler:
                         self.queue.activate_for_node(self.state, node)
                 continue
             hint, entry.hint_node = entry.hint_node, -1
-            decision = self.schedule_one(entry.request)
+            if entry.request.gang is not None:
+                for outcome in self._attempt_gang(entry):
+                    outcomes.append(outcome)
+                    if on_outcome is not None:
+                        on_outcome(outcome)
+                continue
+            decision = self._attempt(entry)
             if hint >= 0 and decision.node != hint:
                 recheck.add(hint)
             outcome = Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at)
             outcomes.append(outcome)
             keep = on_outcome(outcome) if on_outcome is not None else True
+            if decision.status.code is Code.WAIT:
+                continue  # held for its quota, or nominated and waiting for its victims
             if not decision.status.ok and keep and entry.request.name not in self.state.bindings:
                 self.queue.park(entry)
 
-    def status_of(self, pod: str) -> Status:
-        return Status.success() if pod in self.state.bindings else Status.unschedulable("not placed")
+    def _attempt(self, entry: QueuedPod) -> Decision:
+        pod = entry.request
+        refusal = self._quota_refusal(pod, pod.gpu_milli_total)
+        if refusal is not None:
+            self._quota_waiting.setdefault(pod.queue or "", {})[pod.name] = entry
+            return Decision(Status(Code.WAIT, (refusal,)))
+        decision = self.decide(pod)
+        if decision.assignment is not None:
+            return self._reserve_and_bind(pod, decision)
+        if not self._may_preempt(pod, decision):
+            return decision
+        self.stats.attempts += 1
+        result = self.preemption.plan(pod, self.state, self._victim_rules(pod, []), decision.diagnosis)
+        if result.plan is None:
+            message = f"{decision.status.message} Preemption: {result.reason}."
+            return Decision(Status.unschedulable(message), None, -1, decision.diagnosis)
+        victims = evict_in_place(self.state, result.plan)
+        self.state.place(pod, result.plan.decision.assignment)  # type: ignore[arg-type]
+        return self._commit([(entry, result.plan.decision)], [result.plan], victims)
+
+    def _may_preempt(self, pod: PodRequest, decision: Decision) -> bool:
+        return (self.rules.preemption and pod.preempts and decision.status.code is Code.UNSCHEDULABLE
+                and len(self.state.bindings) > 0)
+
+    # ------------------------------------------------------------------ preemption
+    def _victim_rules(self, pod: PodRequest, chosen: Sequence[Binding]) -> VictimRules:
+        """Who `pod` may evict. `chosen`: victims already picked in the same trial (a gang's others)."""
+        table = self.state.pod_table
+        rows = table.pods
+        count = rows.count
+        priority = rows.priority[:count]
+        queue_of = rows.queue[:count]
+        own = table.queue_id(pod.queue)
+        lower = priority < pod.priority
+        quotas = self.rules.quotas
+        if not quotas:
+            eligible = lower
+            spare: dict[str, int] = {}
+        else:
+            used = self._queue_usage()
+            spare = {}
+            borrowing = np.zeros(max(len(table.queue_ids), 1), np.bool_)
+            for queue in quotas:
+                qid = table.queue_id(queue.name)
+                if qid >= len(borrowing):
+                    borrowing = np.resize(borrowing, qid + 1)
+                    borrowing[qid] = False
+                over = used.get(queue.name, 0) - queue.min_milli
+                spare[queue.name] = over
+                borrowing[qid] = over > 0 and queue.name != pod.queue
+            quota = quotas.get(pod.queue) if pod.queue is not None else None
+            owed = quota is not None and used.get(quota.name, 0) + pod.gpu_milli_total <= quota.min_milli
+            in_quota = np.isin(queue_of, [table.queue_id(q.name) for q in quotas])
+            other_quota = in_quota & (queue_of != own)
+            # Another queue's pods: only what it borrows, taken by priority, or by a queue owed its minimum.
+            eligible = np.where(other_quota, borrowing[queue_of] & (lower | owed), lower)
+        budgets = self.rules.min_available
+        available: dict[str, int] = {}
+        if budgets:
+            for binding in self.state.bindings.values():
+                workload = binding.request.workload
+                if workload is not None and workload in budgets:
+                    available[workload] = available.get(workload, 0) + 1
+        now = self.now()
+
+        def work_lost(binding: Binding) -> float:
+            started = self._started.get(binding.request.name, now)
+            ran = max(0.0, now - started)
+            every = binding.request.checkpoint_every_s
+            since = math.fmod(ran, every) if every > 0 else ran
+            return since * binding.assignment.gpu_milli / MILLI_PER_CARD
+
+        def refuse(victims: Sequence[Binding]) -> str | None:
+            taken: dict[str, int] = {}
+            gone: dict[str, int] = {}
+            for binding in (*chosen, *victims):
+                workload, queue = binding.request.workload, binding.request.queue
+                if workload is not None and workload in budgets:
+                    gone[workload] = gone.get(workload, 0) + 1
+                if queue is not None and queue in spare and queue != pod.queue:
+                    taken[queue] = taken.get(queue, 0) + binding.assignment.gpu_milli
+            for workload, count in gone.items():
+                if available.get(workload, 0) - count < budgets[workload]:
+                    return f"evicting {count} pod(s) of {workload} would leave fewer than its minimum " \
+                           f"available {budgets[workload]}"
+            for queue, milli in taken.items():
+                if milli > spare[queue]:
+                    return f"queue {queue} would drop below its guaranteed minimum"
+            return None
+
+        return VictimRules(eligible, work_lost, refuse)
+
+    def _commit(self, placed: list[tuple[QueuedPod, Decision]], plans: Sequence[PreemptionPlan],
+                victims: list[Binding]) -> Decision:
+        """Evict a trial's victims through the port; bind its pods now or when the last victim is gone.
+
+        On entry the cache already holds the trial: victims released, pods placed. Returns the first
+        pod's decision: success (bound now), WAIT (nominated), or unschedulable (the world refused an
+        eviction: the trial is undone and the caller parks the pods).
+        """
+        members = [(entry, decision.assignment) for entry, decision in placed if decision.assignment is not None]
+        nomination = Nomination(members, set(), self.now() + self.rules.nomination_timeout_s)
+        for entry, assignment in members:
+            self._assumed[entry.request.name] = assignment
+            self._nominated[entry.request.name] = nomination
+        refused: list[Binding] = []
+        self._committing = nomination
+        try:
+            for binding in victims:
+                name = binding.request.name
+                grace = self.rules.classes.victim_grace_s(binding.request, self.rules.default_victim_grace_s)
+                self._victim_of[name] = nomination
+                nomination.waiting_for.add(name)
+                status = self.port.evict(name, grace_s=grace, reason=f"preempted by {members[0][0].request.name}")
+                if not status.ok:
+                    refused.append(binding)
+                    self._victim_of.pop(name, None)
+                    nomination.waiting_for.discard(name)
+                else:
+                    self.stats.victims += 1
+        finally:
+            self._committing = None
+        self.stats.plans += len(plans)
+        self.stats.work_lost_gpu_s += sum(v.work_lost_gpu_s for plan in plans for v in plan.victims)
+        first = placed[0][1]
+        if refused:
+            # The world kept some victims (a disruption budget): undo the reservation; the pods retry later.
+            for entry, _ in members:
+                name = entry.request.name
+                self._assumed.pop(name, None)
+                self._nominated.pop(name, None)
+                if name in self.state.bindings:
+                    self.state.release(name)
+            for binding in refused:
+                self.state.place(binding.request, binding.assignment)
+            for name in nomination.waiting_for:
+                self._victim_of.pop(name, None)
+            message = f"eviction refused for {', '.join(b.request.name for b in refused)}"
+            return Decision(Status.unschedulable(message), None, -1, first.diagnosis)
+        if not nomination.waiting_for:
+            return self._bind_nomination(nomination, immediate=True)
+        self._nominations.append(nomination)
+        node = first.assignment.node if first.assignment is not None else "?"
+        return Decision(Status(Code.WAIT, (f"nominated to {node}; waiting for {len(nomination.waiting_for)} "
+                                           f"victim(s) to terminate",)), first.assignment, first.node)
+
+    def _bind_nomination(self, nomination: Nomination, *, immediate: bool = False) -> Decision:
+        """Bind every member of a nomination; a gang that cannot bind whole is rolled back."""
+        if nomination in self._nominations:
+            self._nominations.remove(nomination)
+        bound: list[str] = []
+        failure: Status | None = None
+        for entry, assignment in nomination.members:
+            name = entry.request.name
+            self._nominated.pop(name, None)
+            self._assumed[name] = assignment
+            status = self.port.bind(name, assignment)
+            self._assumed.pop(name, None)
+            if status.ok:
+                bound.append(name)
+            else:
+                failure = status
+                binding = self.state.bindings.get(name)
+                if binding is not None and binding.assignment == assignment:
+                    self.state.release(name)
+        if failure is not None:
+            for entry, _ in nomination.members:
+                if entry.request.name not in bound:
+                    self.queue.requeue(entry)
+            if len(nomination.members) > 1:
+                for name in bound:  # never leave a gang partly running
+                    self.port.evict(name, grace_s=0.0, reason="gang could not start whole")
+        if not immediate and self.on_deferred is not None:
+            for entry, assignment in nomination.members:
+                ok = entry.request.name in bound and failure is None
+                decision = Decision(Status.success() if ok else (failure or Status.error("bind failed")),
+                                    assignment if ok else None, self.state.node_index.get(assignment.node, -1))
+                self.on_deferred(Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at))
+        if failure is not None:
+            return Decision(failure)
+        entry, assignment = nomination.members[0]
+        return Decision(Status.success(), assignment, self.state.node_index.get(assignment.node, -1))
+
+    def _expire(self) -> None:
+        """Fail gangs that waited too long for members; requeue nominations whose victims never left."""
+        now = self.now()
+        for gang, wait in list(self._gangs.items()):
+            if now - wait.first_seen <= self.rules.gang_timeout_s:
+                continue
+            members = list(wait.members.values())
+            present = len(members)
+            if not present:
+                continue
+            del self._gangs[gang]
+            size = members[0].request.gang_size
+            reason = (f"gang {gang} timed out after {self.rules.gang_timeout_s:g} s with {present} of {size} "
+                      f"members submitted")
+            self.stats.gangs_failed += 1
+            for entry in members:
+                self.port.fail_pod(entry.request.name, reason)
+        for nomination in list(self._nominations):
+            if now <= nomination.deadline:
+                continue
+            self._nominations.remove(nomination)
+            for name in nomination.waiting_for:
+                self._victim_of.pop(name, None)
+            for entry, _ in nomination.members:
+                name = entry.request.name
+                self._nominated.pop(name, None)
+                self._assumed.pop(name, None)
+                if name in self.state.bindings:
+                    self.state.release(name)
+                self.queue.requeue(entry)
+
+    # ------------------------------------------------------------------ quotas
+    def _queue_usage(self) -> dict[str, int]:
+        """GPU milli held per queue in the cache (bound, assumed and nominated pods)."""
+        table = self.state.pod_table
+        rows = table.pods
+        live = rows.live[: rows.count]
+        sums = np.bincount(rows.queue[: rows.count][live], rows.gpu_milli[: rows.count][live],
+                           minlength=len(table.queue_ids))
+        return {name: int(sums[qid]) for name, qid in table.queue_ids.items() if name is not None}
+
+    def quota_usage(self) -> dict[str, int]:
+        """GPU milli per queue, as the cache sees it."""
+        return self._queue_usage()
+
+    def _quota_refusal(self, pod: PodRequest, need_milli: int) -> str | None:
+        if pod.queue is None or not self.rules.quotas:
+            return None
+        quota = self.rules.quotas.get(pod.queue)
+        if quota is None or quota.max_milli is None:
+            return None
+        used = self._queue_usage().get(pod.queue, 0)
+        if used + need_milli <= quota.max_milli:
+            return None
+        return (f"queue {pod.queue} at its maximum: {used / MILLI_PER_CARD:g} of {quota.max_gpus:g} GPUs in use, "
+                f"{need_milli / MILLI_PER_CARD:g} more asked")
+
+    def _wake_queue(self, queue: str) -> None:
+        waiting = self._quota_waiting.pop(queue, None)
+        if waiting:
+            for entry in waiting.values():
+                self.queue.requeue(entry)
+
+    # ------------------------------------------------------------------ gangs
+    def _attempt_gang(self, entry: QueuedPod) -> list[Outcome]:
+        """Assemble the gang of `entry` from the queue; place it whole or not at all."""
+        gang = entry.request.gang
+        assert gang is not None
+        now = self.now()
+        wait = self._gangs.setdefault(gang, _GangWait(now))
+        wait.members[entry.request.name] = entry
+        for name in list(self._gang_siblings(gang)):
+            sibling = self.queue.take(name)
+            if sibling is not None:
+                sibling.attempts += 1
+                wait.members[name] = sibling
+        members = sorted(wait.members.values(), key=lambda e: (-e.request.gpu_milli_total, e.order))
+        size = max(e.request.gang_size for e in members)
+        running = sum(1 for b in self.state.bindings.values() if b.request.gang == gang)
+        if len(members) + running < size:
+            status = Status(Code.WAIT, (f"gang {gang}: {len(members) + running} of {size} members submitted",))
+            return [Outcome(e.request, Decision(status), e.attempts, now - e.enqueued_at) for e in members]
+        need = sum(e.request.gpu_milli_total for e in members)
+        capacity = self.state.total_gpu_milli()
+        if need > capacity:
+            del self._gangs[gang]
+            reason = (f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than the whole cluster's "
+                      f"{capacity / MILLI_PER_CARD:g}")
+            self.stats.gangs_failed += 1
+            for member in members:
+                self.port.fail_pod(member.request.name, reason)
+            return [Outcome(e.request, Decision(Status.unschedulable(reason, resolvable=False)), e.attempts,
+                            now - e.enqueued_at) for e in members]
+        refusal = self._quota_refusal(members[0].request, need)
+        if refusal is not None:
+            del self._gangs[gang]
+            for member in members:
+                self._quota_waiting.setdefault(member.request.queue or "", {})[member.request.name] = member
+            return [Outcome(e.request, Decision(Status(Code.WAIT, (refusal,))), e.attempts, now - e.enqueued_at)
+                    for e in members]
+        del self._gangs[gang]
+        decision = self._place_gang(members)
+        if decision.status.ok or decision.status.code is Code.WAIT:
+            self.stats.gangs_placed += 1
+            outcomes = []
+            for member in members:
+                binding = self.state.bindings.get(member.request.name)
+                member_decision = Decision(decision.status, binding.assignment if binding else None,
+                                           binding.node if binding else -1)
+                outcomes.append(Outcome(member.request, member_decision, member.attempts, now - member.enqueued_at))
+            return outcomes
+        for member in members:
+            self.queue.park(member)
+        return [Outcome(e.request, decision, e.attempts, now - e.enqueued_at) for e in members]
+
+    def _gang_siblings(self, gang: str) -> list[str]:
+        return [e.request.name for e in self.queue.entries() if e.request.gang == gang]
+
+    def _blocks(self) -> list[np.ndarray | None]:
+        """Node masks of the network blocks with the most idle GPUs first, then None (anywhere)."""
+        label = self.rules.network_block_label
+        state = self.state
+        names = [dict(spec.labels).get(label) for spec in state.nodes]
+        if not any(names):
+            return [None]
+        idle = state.idle_cards[: state.size]
+        free: dict[str, int] = {}
+        for index, name in enumerate(names):
+            if name is not None:
+                free[name] = free.get(name, 0) + int(idle[index])
+        ranked = sorted(free, key=lambda b: (-free[b], b))[: self.rules.max_blocks_tried]
+        labels = np.array([n or "" for n in names])
+        return [labels == block for block in ranked] + [None]
+
+    def _place_gang(self, members: list[QueuedPod]) -> Decision:
+        """Trial-place every member in the cache (preempting if allowed); commit all or undo all."""
+        last = Decision(Status.unschedulable("no members"))
+        for within in self._blocks():
+            placed: list[tuple[QueuedPod, Decision]] = []
+            plans: list[PreemptionPlan] = []
+            victims: list[Binding] = []
+            failed = False
+            for member in members:
+                pod = member.request
+                decision = self.framework.schedule(pod, self.state, within=within)
+                if decision.assignment is None and self._may_preempt(pod, decision):
+                    self.stats.attempts += 1
+                    result = self.preemption.plan(pod, self.state, self._victim_rules(pod, victims),
+                                                  decision.diagnosis, within=within)
+                    if result.plan is not None:
+                        victims.extend(evict_in_place(self.state, result.plan))
+                        plans.append(result.plan)
+                        decision = result.plan.decision
+                    else:
+                        decision = Decision(Status.unschedulable(
+                            f"{decision.status.message} Preemption: {result.reason}."), None, -1, decision.diagnosis)
+                if decision.assignment is None:
+                    last = Decision(Status.unschedulable(f"gang {pod.gang} does not fit whole: member {pod.name}: "
+                                                         f"{decision.status.message}"), None, -1, decision.diagnosis)
+                    failed = True
+                    break
+                self.state.place(pod, decision.assignment)
+                placed.append((member, decision))
+            if not failed:
+                return self._commit(placed, plans, victims)
+            for member, _ in reversed(placed):  # release partial reservations, put victims back
+                self.state.release(member.request.name)
+            for binding in reversed(victims):
+                self.state.place(binding.request, binding.assignment)
+        return last

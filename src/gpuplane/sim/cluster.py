@@ -8,12 +8,15 @@ would), runs graceful evictions in virtual time and delivers watch events synchr
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, NodeSpecError, PodRequest, PoolConfig, Taint
 from gpuplane.port import ClusterEvent, EventKind, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
 from gpuplane.sim.engine import EventLoop
+
+Admit = Callable[[PodRequest], "PodRequest | str"]
+"""An admission check: the (possibly completed) request, or the reason it is rejected."""
 
 
 @dataclass(slots=True)
@@ -50,6 +53,10 @@ class SimCluster:
         self._delivering = False
         self.workloads: dict[str, Workload] = {}
         self._workload_pods: dict[str, list[str]] = {}
+        self.admission: list[Admit] = []
+        """Checks every `create_pod` passes through, in order (the API server's admission chain)."""
+        self.failed: dict[str, str] = {}
+        """Pods that ended FAILED, with their reason."""
 
     # ------------------------------------------------------------------ reads
     def list_nodes(self) -> Sequence[NodeInfo]:
@@ -90,6 +97,11 @@ class SimCluster:
     def create_pod(self, request: PodRequest) -> Status:
         if request.name in self._pods:
             return Status.error(f"conflict: pod {request.name} already exists")
+        for admit in self.admission:
+            verdict = admit(request)
+            if isinstance(verdict, str):
+                return Status.error(f"rejected: pod {request.name}: {verdict}")
+            request = verdict
         info = PodInfo(request, PodPhase.PENDING, created_at=self.loop.now())
         self._pods[request.name] = info
         self._emit(EventKind.POD_ADDED, pod=info)
@@ -149,6 +161,22 @@ class SimCluster:
             if pod in members:
                 members.remove(pod)
         self._emit(EventKind.POD_DELETED, pod=info)
+        return Status.success()
+
+    def fail_pod(self, pod: str, reason: str) -> Status:
+        info = self._pods.get(pod)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is not PodPhase.PENDING:
+            return Status.error(f"conflict: pod {pod} is {info.phase.value}, not Pending")
+        failed = replace(info, phase=PodPhase.FAILED,
+                         annotations=(*info.annotations, ("gpuplane.io/failure-reason", reason)))
+        del self._pods[pod]
+        self.failed[pod] = reason
+        members = self._workload_pods.get(info.request.workload or "")
+        if members is not None and pod in members:
+            members.remove(pod)
+        self._emit(EventKind.POD_FAILED, pod=failed)
         return Status.success()
 
     # ------------------------------------------------------------------ workloads

@@ -35,7 +35,7 @@ class NodeFit:
 
     def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
         n = state.size
-        yield NodeCheck(UNSCHEDULABLE_NODE, state.schedulable[:n])
+        yield NodeCheck(UNSCHEDULABLE_NODE, state.schedulable[:n], resolvable=False)
         if pod.pools is not None:
             yield NodeCheck(POOL_MISMATCH, state.pools_mask(pod.pools), resolvable=False)
         tolerated = state.taint_mask(pod)

@@ -1,0 +1,37 @@
+"""Admission: refuse at submission what could never run, with the reason; complete what can.
+
+The same check serves the simulated world's `create_pod` and, later, a validating webhook.
+"""
+
+from __future__ import annotations
+
+from gpuplane.model import MILLI_PER_CARD, GpuplaneError, PodRequest
+from gpuplane.model.priority import PriorityClasses
+from gpuplane.model.quota import Quotas
+
+
+class Admission:
+    """Resolves priority classes; refuses unknown classes and queues, and pods above their queue's maximum."""
+
+    def __init__(self, classes: PriorityClasses, quotas: Quotas | None = None, *,
+                 require_class: bool = False) -> None:
+        self.classes = classes
+        self.quotas = quotas or Quotas()
+        self.require_class = require_class
+
+    def __call__(self, request: PodRequest) -> PodRequest | str:
+        if request.priority_class is None and self.require_class:
+            return "priority_class: every pod must name a priority class"
+        try:
+            request = self.classes.resolve(request)
+        except GpuplaneError as exc:
+            return str(exc)
+        if request.queue is not None:
+            quota = self.quotas.get(request.queue)
+            if quota is None:
+                known = ", ".join(sorted(q.name for q in self.quotas)) or "none configured"
+                return f"queue: unknown queue {request.queue!r} (known: {known})"
+            if quota.max_milli is not None and request.gpu_milli_total > quota.max_milli:
+                return (f"queue: pod needs {request.gpu_milli_total / MILLI_PER_CARD:g} GPUs, more than queue "
+                        f"{quota.name}'s maximum of {quota.max_gpus:g}")
+        return request
