@@ -266,8 +266,18 @@ def simulate(
     load: LoadOpt = 0.9,
     arrival: ArrivalOpt = "poisson",
     hours: Annotated[float, typer.Option(help="timed mode: arrival horizon in virtual hours")] = 8.0,
+    scenario: Annotated[str | None, typer.Option(
+        help="run a scenario instead of a plain replay: training-backfill")] = None,
+    scenario_file: Annotated[Path | None, typer.Option(help="scenario parameters (YAML, any field)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="scenario field=value (repeatable), "
+                                                   "e.g. --set normal_load=0.8")] = None,
+    days: Annotated[float | None, typer.Option(help="scenario: virtual days to simulate")] = None,
 ) -> None:
     """Replay a trace on the simulated cluster, print a summary and write DIR/report.html."""
+    if scenario is not None:
+        _simulate_scenario(scenario, scenario_file, set_ or [], days, trace, nodes, node_policy, seed, out_dir,
+                           as_json)
+        return
     try:
         replay_mode = ReplayMode(mode)
     except ValueError:
@@ -298,6 +308,32 @@ def simulate(
     _print_summary(results, inputs.reports)
     for pod in why or []:
         _print_why(results[0], pod, show_all=False)
+    out.print(f"report: {report}")
+
+
+def _simulate_scenario(name: str, path: Path | None, assignments: list[str], days: float | None, trace: str,
+                       nodes: Path | None, node_policy: str, seed: int, out_dir: Path, as_json: bool) -> None:
+    from gpuplane.cli.scenarios import SCENARIOS, print_comparison, run_training_backfill, scenario_settings
+    from gpuplane.sim.backfill import BackfillScenario
+
+    if name not in SCENARIOS:
+        _fail(f"--scenario: choose one of {', '.join(SCENARIOS)}, got {name!r}")
+    explicit: dict[str, Any] = {"days": days}
+    if seed != 42:
+        explicit["seed"] = seed
+    if node_policy != "binpack":
+        explicit["node_policy"] = node_policy
+    try:
+        settings = scenario_settings(BackfillScenario, path, assignments, explicit)
+        assert isinstance(settings, BackfillScenario)
+        figures, report, rows = run_training_backfill(settings, trace, nodes, out_dir, err, quiet=as_json)
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(figures))
+        return
+    print_comparison(out, f"training-backfill: {figures['nodes']} nodes, {figures['gpus']} GPUs, "
+                          f"{settings.days:g} day(s)", rows, figures)
     out.print(f"report: {report}")
 
 

@@ -385,9 +385,12 @@ class ClusterState:
             return f"card {c} already has {count} of profile {profile.name}"
         return None
 
-    def place(self, request: PodRequest, assignment: Assignment) -> Binding:
-        """Apply an assignment. Raises PlacementError when it does not fit (stale decision or bug)."""
-        reason = self.check(assignment, request)
+    def place(self, request: PodRequest, assignment: Assignment, *, check: bool = True) -> Binding:
+        """Apply an assignment. Raises PlacementError when it does not fit (stale decision or bug).
+
+        `check=False` skips the fit check: only for putting back a binding just released (what-ifs).
+        """
+        reason = self.check(assignment, request) if check else None
         if reason is not None:
             raise PlacementError(f"cannot place {request.name} on {assignment.node}: {reason}")
         n = self.node_index[assignment.node]

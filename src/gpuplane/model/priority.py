@@ -31,6 +31,9 @@ class PriorityClass:
     preemption_policy: PreemptionPolicy = PreemptionPolicy.PREEMPT_LOWER_PRIORITY
     victim_grace_s: float = 30.0
     description: str = ""
+    backfill: bool = False
+    """Backfill pods fill fragments and idle cards; pods of higher classes are placed as if they were not
+    there and evict those in their way."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -54,7 +57,7 @@ def default_priority_classes() -> PriorityClasses:
         PriorityClass(ONLINE, 1000, description="online inference"),
         PriorityClass(TRAINING, 500, description="training jobs"),
         PriorityClass(DEV, 300, description="development machines"),
-        PriorityClass(BATCH_LOW, 100, victim_grace_s=0.0,
+        PriorityClass(BATCH_LOW, 100, victim_grace_s=0.0, backfill=True,
                       description="low-priority batch (data production) that backfills fragments"),
     ])
 
@@ -110,6 +113,7 @@ class _ClassFile(BaseModel):
     preemption_policy: PreemptionPolicy = PreemptionPolicy.PREEMPT_LOWER_PRIORITY
     victim_grace_s: float = Field(default=30.0, ge=0)
     description: str = ""
+    backfill: bool = False
 
 
 class _ClassesFile(BaseModel):
@@ -121,7 +125,7 @@ def load_priority_classes(path: str | Path) -> PriorityClasses:
     """Read `priority_classes: [{name, value, preemption_policy, victim_grace_s}]` from YAML."""
     parsed = load_yaml_model(path, _ClassesFile)
     try:
-        return PriorityClasses(PriorityClass(c.name, c.value, c.preemption_policy, c.victim_grace_s, c.description)
-                               for c in parsed.priority_classes)
+        return PriorityClasses(PriorityClass(c.name, c.value, c.preemption_policy, c.victim_grace_s, c.description,
+                                             c.backfill) for c in parsed.priority_classes)
     except GpuplaneError as exc:
         raise GpuplaneError(f"{path}: {exc}") from None

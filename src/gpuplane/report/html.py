@@ -182,8 +182,17 @@ def write_report(results: Sequence[SimulationResult], path: Path) -> Path:
     ]
     figures = "".join(f'<figure><img alt="{name}" src="data:image/png;base64,{data}"></figure>'
                       for name, data in images)
-    page = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>gpuplane simulation report</title>
+    intro = ("<p>Trace: Alibaba GPU cluster trace 2023 (openb), from Weng et al., \"Beware of Fragmentation\", "
+             "USENIX ATC '23. Allocation counts milli-GPU; arrived workload counts every submitted pod, including "
+             "failed ones.</p>")
+    path.write_text(page("gpuplane simulation report", intro + figures + "".join(tables)), encoding="utf-8")
+    return path
+
+
+def page(title: str, body: str) -> str:
+    """A self-contained HTML page in the reports' common style."""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222; }}
 table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; }}
@@ -192,12 +201,12 @@ th {{ background: #f4f4f4; }}
 figure {{ margin: 1em 0; }}
 img {{ max-width: 100%; }}
 </style></head><body>
-<h1>gpuplane simulation report</h1>
-<p>Trace: Alibaba GPU cluster trace 2023 (openb), from Weng et al., "Beware of Fragmentation", USENIX ATC '23.
-Allocation counts milli-GPU; arrived workload counts every submitted pod, including failed ones.</p>
-{figures}
-{''.join(tables)}
+<h1>{html.escape(title)}</h1>
+{body}
 </body></html>
 """
-    path.write_text(page, encoding="utf-8")
-    return path
+
+
+def png(fig: Figure) -> str:
+    """A figure as base64 PNG, for an <img> data URL."""
+    return _png(fig)

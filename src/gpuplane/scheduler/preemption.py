@@ -16,6 +16,7 @@ priority, then the least work lost.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,28 @@ class Victim:
     """GPU-seconds since the victim's last checkpoint: what evicting it throws away."""
 
 
+class VictimOrder(enum.Enum):
+    """How candidate nodes are ranked by their victims (smaller first).
+
+    FEWEST_FIRST: fewest victims, then the lowest highest-victim priority, then the lowest priority sum,
+    then the least work lost. LOWEST_PRIORITY_FIRST (kube-scheduler's order): the lowest highest-victim
+    priority, then fewest victims, then the priority sum, then work lost; it spends low-priority backfill
+    before it touches a pod of a higher class, even if that takes more victims.
+    """
+
+    FEWEST_FIRST = "fewest-first"
+    LOWEST_PRIORITY_FIRST = "lowest-priority-first"
+
+
+def victim_rank(victims: Sequence[Victim], order: VictimOrder) -> tuple[int, int, int, float]:
+    priorities = [v.priority for v in victims]
+    top = max(priorities, default=-(2**62))
+    lost = sum(v.work_lost_gpu_s for v in victims)
+    if order is VictimOrder.FEWEST_FIRST:
+        return (len(victims), top, sum(priorities), lost)
+    return (top, len(victims), sum(priorities), lost)
+
+
 @dataclass(frozen=True, slots=True)
 class PreemptionPlan:
     """Evict `victims` on `node`; then `decision.assignment` fits there (the nominated placement)."""
@@ -45,13 +68,6 @@ class PreemptionPlan:
     node: int
     decision: Decision
     victims: tuple[Victim, ...]
-
-    @property
-    def rank(self) -> tuple[int, int, int, float]:
-        """Smaller is better: fewest victims, lowest top priority, lowest priority sum, least work lost."""
-        priorities = [v.priority for v in self.victims]
-        return (len(self.victims), max(priorities, default=-(2**62)), sum(priorities),
-                sum(v.work_lost_gpu_s for v in self.victims))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +94,14 @@ class PreemptionResult:
 
 
 class Preemption:
-    def __init__(self, framework: Framework, *, max_candidates: int = 16) -> None:
+    def __init__(self, framework: Framework, *, max_candidates: int = 16,
+                 order: VictimOrder = VictimOrder.FEWEST_FIRST) -> None:
         self.framework = framework
         self.max_candidates = max_candidates
+        self.order = order
+
+    def rank(self, victims: Sequence[Victim]) -> tuple[int, int, int, float]:
+        return victim_rank(victims, self.order)
 
     def plan(self, pod: PodRequest, state: ClusterState, rules: VictimRules,
              diagnosis: Diagnosis | None = None, *, within: BoolArray | None = None) -> PreemptionResult:
@@ -91,18 +112,28 @@ class Preemption:
         eligible = rules.eligible[: table.count] & table.live[: table.count]
         if not eligible.any():
             return PreemptionResult(None, "no pod may be preempted for it")
-        screened = self._screen(pod, state, eligible, diagnosis, within)
-        candidates = np.flatnonzero(screened)
-        if not len(candidates):
-            return PreemptionResult(None, "no node would fit it even with every eligible pod evicted")
-        order = self._rank(pod, state, eligible, candidates)
-        tried = candidates[order[: self.max_candidates]]
-        plans, refusals = self._what_if(pod, state, eligible, tried, rules)
-        if not plans:
+        levels: list[BoolArray] = [eligible]
+        if self.order is VictimOrder.LOWEST_PRIORITY_FIRST:
+            # Try the lowest priorities alone first: a plan found with victims up to priority p beats any
+            # plan that needs a victim above p, however few victims it takes.
+            priority = table.priority[: table.count]
+            distinct = np.unique(priority[eligible])
+            levels = [eligible & (priority <= level) for level in distinct.tolist()]
+        reason = "no node would fit it even with every eligible pod evicted"
+        screened_total = 0
+        for allowed in levels:
+            screened = self._screen(pod, state, allowed, diagnosis, within)
+            candidates = np.flatnonzero(screened)
+            if not len(candidates):
+                continue
+            screened_total = max(screened_total, len(candidates))
+            order = self._order_candidates(state, allowed, candidates)
+            tried = candidates[order[: self.max_candidates]]
+            plans, refusals = self._what_if(pod, state, allowed, tried, rules)
+            if plans:
+                return PreemptionResult(plans[0], "", len(candidates))
             reason = refusals[0] if refusals else "no candidate node fits it after evictions"
-            return PreemptionResult(None, reason, len(candidates))
-        plans.sort(key=lambda p: (p.rank, p.node))
-        return PreemptionResult(plans[0], "", len(candidates))
+        return PreemptionResult(None, reason, screened_total)
 
     # ------------------------------------------------------------------ screen
     def _screen(self, pod: PodRequest, state: ClusterState, eligible: BoolArray, diagnosis: Diagnosis | None,
@@ -145,52 +176,52 @@ class Preemption:
             ok &= state.card_mig_allowed[:n].any(axis=1)
         return ok
 
-    @staticmethod
-    def _rank(pod: PodRequest, state: ClusterState, eligible: BoolArray, candidates: IntArray) -> IntArray:
-        """Order candidates by a cheap guess of the victims they need: eligible pods on the node, then
-        the highest eligible priority there, then node index."""
+    def _order_candidates(self, state: ClusterState, eligible: BoolArray, candidates: IntArray) -> IntArray:
+        """Order candidates by a cheap guess of their victims (eligible pods on the node and the highest
+        eligible priority there, in the victim order's precedence), then node index."""
         pods = state.pod_table.pods
         rows = np.flatnonzero(eligible)
         n = state.size
         count = np.bincount(pods.node[rows], minlength=n)[:n]
         top = np.full(n, np.iinfo(np.int64).min, np.int64)
         np.maximum.at(top, pods.node[rows], pods.priority[rows])
-        order: IntArray = np.lexsort((candidates, top[candidates], count[candidates]))
+        if self.order is VictimOrder.FEWEST_FIRST:
+            keys = (candidates, top[candidates], count[candidates])
+        else:
+            keys = (candidates, count[candidates], top[candidates])
+        order: IntArray = np.lexsort(keys)
         return order
 
     # ------------------------------------------------------------------ what-if
     def _what_if(self, pod: PodRequest, state: ClusterState, eligible: BoolArray, nodes: IntArray,
                  rules: VictimRules) -> tuple[list[PreemptionPlan], list[str]]:
+        """Victims per candidate node by remove-all-then-reprieve, all nodes at once; the best plan."""
         table = state.pod_table
         removed: dict[int, list[Binding]] = {}
         for node in nodes.tolist():
-            names = [name for name in state.node_pods[node] if eligible[table.row_of[name][0]]]
+            names = sorted(name for name in state.node_pods[node] if eligible[table.row_of[name][0]])
             removed[node] = [state.release(name) for name in names]
-        plans: list[PreemptionPlan] = []
         refusals: list[str] = []
+        ranked: list[tuple[tuple[int, int, int, float], int, tuple[Victim, ...], list[Binding]]] = []
         try:
             fits = self._fits(pod, state)
             live = [node for node in removed if fits[node]]
             # Reprieve order: keep the most valuable first (higher priority, then smaller so that fewer
             # victims go, then more work at stake).
-            queues: dict[int, list[Binding]] = {}
-            for node in live:
-                queues[node] = sorted(removed[node], key=lambda b: (-b.request.priority, b.request.gpu_milli_total,
-                                                                    -rules.work_lost(b), b.request.name))
+            queues = {node: sorted(removed[node], key=lambda b: (-b.request.priority, b.assignment.gpu_milli,
+                                                                 -rules.work_lost(b), b.request.name))
+                      for node in live}
             victims: dict[int, list[Binding]] = {node: [] for node in live}
-            kept: dict[int, list[Binding]] = {node: [] for node in live}
             while any(queues.values()):
                 trial: dict[int, Binding] = {}
                 for node, pending in queues.items():
                     if pending:
                         binding = pending.pop(0)
-                        state.place(binding.request, binding.assignment)
+                        state.place(binding.request, binding.assignment, check=False)
                         trial[node] = binding
                 fits = self._fits(pod, state)
                 for node, binding in trial.items():
-                    if fits[node]:
-                        kept[node].append(binding)
-                    else:
+                    if not fits[node]:
                         state.release(binding.request.name)
                         victims[node].append(binding)
             for node in live:
@@ -198,18 +229,30 @@ class Preemption:
                 if refusal is not None:
                     refusals.append(refusal)
                     continue
-                decision = self.framework.schedule(pod, state, within=_only(state.size, node))
-                if decision.assignment is None:
-                    continue
-                plans.append(PreemptionPlan(pod, node, decision, tuple(
-                    Victim(b.request.name, b.request.priority, rules.work_lost(b)) for b in victims[node])))
-        finally:
-            # Put back what is still out: victims of live nodes and every pod of the others.
+                chosen = tuple(Victim(b.request.name, b.request.priority, rules.work_lost(b)) for b in victims[node])
+                ranked.append((self.rank(chosen), node, chosen, victims[node]))
+            ranked.sort(key=lambda item: (item[0], item[1]))
+            # Victims of the other nodes go back first, so each final check sees one node's evictions.
             for bindings in removed.values():
                 for binding in bindings:
                     if binding.request.name not in state.bindings:
-                        state.place(binding.request, binding.assignment)
-        return plans, refusals
+                        state.place(binding.request, binding.assignment, check=False)
+            for _, node, chosen, gone in ranked:
+                for binding in gone:
+                    state.release(binding.request.name)
+                try:
+                    decision = self.framework.schedule(pod, state, within=_only(state.size, node))
+                finally:
+                    for binding in gone:
+                        state.place(binding.request, binding.assignment, check=False)
+                if decision.assignment is not None:
+                    return [PreemptionPlan(pod, node, decision, chosen)], refusals
+        finally:
+            for bindings in removed.values():
+                for binding in bindings:
+                    if binding.request.name not in state.bindings:
+                        state.place(binding.request, binding.assignment, check=False)
+        return [], refusals
 
     def _fits(self, pod: PodRequest, state: ClusterState) -> BoolArray:
         alive, _ = self.framework.find_nodes(CycleState(), pod, state, diagnose=False)

@@ -34,7 +34,13 @@ from gpuplane.model.quota import Quotas
 from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 from gpuplane.port.status import Code
 from gpuplane.scheduler.framework import Decision, Framework, Profile
-from gpuplane.scheduler.preemption import Preemption, PreemptionPlan, VictimRules, evict_in_place
+from gpuplane.scheduler.preemption import (
+    Preemption,
+    PreemptionPlan,
+    Victim,
+    VictimOrder,
+    VictimRules,
+)
 from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
 
 NETWORK_BLOCK_LABEL = "gpuplane.io/network-block"
@@ -61,6 +67,11 @@ class SchedulingRules:
     preemption: bool = True
     max_candidates: int = 16
     """Candidate nodes a preemption tries in full, after the vectorised screen."""
+    victim_order: VictimOrder = VictimOrder.FEWEST_FIRST
+    retry_preemptors_every_s: float = 60.0
+    """Parked pods that may preempt are tried again this often: capacity that lower-priority pods took
+    after they were parked frees no node, so no capacity event would wake them (kube-scheduler flushes
+    its unschedulable pods every 5 minutes for the same reason)."""
     default_victim_grace_s: float = 30.0
     """Grace period of a victim whose pod names no priority class."""
     gang_timeout_s: float = 600.0
@@ -107,7 +118,9 @@ class Scheduler:
         self.pools = pools
         self.rules = rules or SchedulingRules()
         self.framework = Framework(profile, np.random.default_rng(seed))
-        self.preemption = Preemption(self.framework, max_candidates=self.rules.max_candidates)
+        self.preemption = Preemption(self.framework, max_candidates=self.rules.max_candidates,
+                                     order=self.rules.victim_order)
+        self._last_retry = -math.inf
         self.queue = SchedulingQueue()
         self.stats = PreemptionStats()
         self.on_deferred: Callable[[Outcome], object] | None = None
@@ -121,14 +134,23 @@ class Scheduler:
         self._gangs: dict[str, _GangWait] = {}
         self._quota_waiting: dict[str, dict[str, QueuedPod]] = {}
         self._committing: Nomination | None = None
+        self._backfill_classes = frozenset(c.name for c in self.rules.classes if c.backfill)
+        self._backfill_priority = max((c.value for c in self.rules.classes if c.backfill), default=None)
+        self.shadow: ClusterState | None = None
+        """The cache without backfill pods: pods above the backfill classes are placed as if backfill were
+        not there (so they pack as they would on their own), then evict the backfill in their way."""
         self.state = self._build_cache(enqueue=True)
         self._unsubscribe = port.watch(self._on_event)
 
     def _build_cache(self, *, enqueue: bool) -> ClusterState:
-        state = ClusterState(self.catalog, [info.spec for info in self.port.list_nodes()], self.pools)
+        specs = [info.spec for info in self.port.list_nodes()]
+        state = ClusterState(self.catalog, specs, self.pools)
+        self.shadow = ClusterState(self.catalog, specs, self.pools) if self._backfill_classes else None
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
                 state.place(pod.request, pod.assignment)
+                if self.shadow is not None and not self.is_backfill(pod.request):
+                    self.shadow.place(pod.request, pod.assignment)
                 self._started[pod.name] = pod.bound_at if pod.bound_at is not None else self.now()
             elif pod.phase is PodPhase.PENDING and enqueue:
                 self.queue.add(pod.request, pod.created_at)
@@ -153,6 +175,21 @@ class Scheduler:
     def close(self) -> None:
         self._unsubscribe()
 
+    def is_backfill(self, request: PodRequest) -> bool:
+        return request.priority_class is not None and request.priority_class in self._backfill_classes
+
+    def _place(self, request: PodRequest, assignment: Assignment, *, check: bool = True) -> Binding:
+        binding = self.state.place(request, assignment, check=check)
+        if self.shadow is not None and not self.is_backfill(request):
+            self.shadow.place(request, assignment, check=False)
+        return binding
+
+    def _release(self, name: str) -> Binding:
+        binding = self.state.release(name)
+        if self.shadow is not None and name in self.shadow.bindings:
+            self.shadow.release(name)
+        return binding
+
     # ------------------------------------------------------------------ cache
     def _on_event(self, event: ClusterEvent) -> None:
         kind = event.kind
@@ -166,9 +203,13 @@ class Scheduler:
             self._on_gone(event.pod)
         elif kind is EventKind.NODE_ADDED and event.node is not None:
             self.state.add_node(event.node.spec)
+            if self.shadow is not None:
+                self.shadow.add_node(event.node.spec)
             self.queue.activate_all()
         elif kind is EventKind.NODE_UPDATED and event.node is not None:
             self.state.update_node(event.node.spec)
+            if self.shadow is not None:
+                self.shadow.update_node(event.node.spec)
             self.queue.activate_all()
 
     def _on_added(self, request: PodRequest, now: float) -> None:
@@ -195,7 +236,7 @@ class Scheduler:
         self._assumed.pop(name, None)
         binding = self.state.bindings.get(name)
         if binding is not None:
-            self.state.release(name)
+            self._release(name)
             self.queue.activate_for_node(self.state, binding.node)
             if request.queue is not None:
                 self._wake_queue(request.queue)
@@ -215,18 +256,18 @@ class Scheduler:
         if assumed == assignment:
             return  # our own bind, confirmed
         if assumed is not None or pod.name in self.state.bindings:
-            self.state.release(pod.name)  # bound by someone else, or bound differently
+            self._release(pod.name)  # bound by someone else, or bound differently
         try:
-            self.state.place(pod.request, assignment)
+            self._place(pod.request, assignment)
         except PlacementError:
             # The world put a pod where we reserved capacity for others: the world wins. Drop the
             # reservations on that node (their binds will fail and they will be retried), then retry.
             node = self.state.node_index.get(assignment.node)
             for name in [n for n, a in self._assumed.items() if a.node == assignment.node]:
                 del self._assumed[name]
-                self.state.release(name)
+                self._release(name)
             try:
-                self.state.place(pod.request, assignment)
+                self._place(pod.request, assignment)
             except PlacementError:
                 self.resync()
                 return
@@ -248,13 +289,13 @@ class Scheduler:
     def _reserve_and_bind(self, pod: PodRequest, decision: Decision) -> Decision:
         assert decision.assignment is not None
         if pod.name not in self.state.bindings:
-            self.state.place(pod, decision.assignment)
+            self._place(pod, decision.assignment)
         self._assumed[pod.name] = decision.assignment
         status = self.port.bind(pod.name, decision.assignment)
         still_assumed = self._assumed.pop(pod.name, None) is not None
         if not status.ok:
             if still_assumed and pod.name in self.state.bindings:
-                self.state.release(pod.name)
+                self._release(pod.name)
             return Decision(status, None, -1, decision.diagnosis)
         return decision
 
@@ -305,9 +346,12 @@ class Scheduler:
         if refusal is not None:
             self._quota_waiting.setdefault(pod.queue or "", {})[pod.name] = entry
             return Decision(Status(Code.WAIT, (refusal,)))
-        decision = self.decide(pod)
+        decision, cleared = self._decide(pod)
         if decision.assignment is not None:
-            return self._reserve_and_bind(pod, decision)
+            if not cleared:
+                return self._reserve_and_bind(pod, decision)
+            self._place(pod, decision.assignment)
+            return self._commit([(entry, decision)], [self._plan(pod, decision, cleared)], cleared)
         if not self._may_preempt(pod, decision):
             return decision
         self.stats.attempts += 1
@@ -315,9 +359,70 @@ class Scheduler:
         if result.plan is None:
             message = f"{decision.status.message} Preemption: {result.reason}."
             return Decision(Status.unschedulable(message), None, -1, decision.diagnosis)
-        victims = evict_in_place(self.state, result.plan)
-        self.state.place(pod, result.plan.decision.assignment)  # type: ignore[arg-type]
+        victims = [self._release(v.pod) for v in result.plan.victims]
+        self._place(pod, result.plan.decision.assignment)  # type: ignore[arg-type]
         return self._commit([(entry, result.plan.decision)], [result.plan], victims)
+
+    def _decide(self, pod: PodRequest, within: np.ndarray | None = None) -> tuple[Decision, list[Binding]]:
+        """Where `pod` goes. A pod above the backfill classes is placed on the cache without backfill pods
+        (the shadow), and the backfill pods in the way of that placement are released from the cache and
+        returned as victims (the caller evicts them or puts them back)."""
+        shadow = self.shadow
+        if (shadow is None or self._backfill_priority is None or pod.priority <= self._backfill_priority
+                or not pod.preempts or not self.rules.preemption or self.is_backfill(pod)
+                or len(shadow.bindings) == len(self.state.bindings)):
+            return self.framework.schedule(pod, self.state, within=within), []
+        decision = self.framework.schedule(pod, shadow, within=within)
+        assignment = decision.assignment
+        if assignment is None:
+            return decision, []
+        if self.state.check(assignment, pod) is None:
+            return decision, []
+        cleared = self._clear_backfill(pod, decision.node, assignment)
+        if cleared is None:
+            return self.framework.schedule(pod, self.state, within=within), []
+        return decision, cleared
+
+    def _clear_backfill(self, pod: PodRequest, node: int, assignment: Assignment) -> list[Binding] | None:
+        """Release the fewest backfill pods on `node` that let `assignment` fit; None if they cannot."""
+        state = self.state
+        cards = {share.card for share in assignment.cards}
+        names = [n for n in state.node_pods[node] if self.is_backfill(state.bindings[n].request)]
+
+        def order(name: str) -> tuple[bool, int, str]:
+            binding = state.bindings[name]
+            touches = any(share.card in cards for share in binding.assignment.cards)
+            return (not touches, binding.assignment.gpu_milli, name)
+
+        released: list[Binding] = []
+        for name in sorted(names, key=order):
+            if state.check(assignment, pod) is None:
+                break
+            released.append(self._release(name))
+        if state.check(assignment, pod) is not None:
+            for binding in reversed(released):
+                self._place(binding.request, binding.assignment, check=False)
+            return None
+        victims: list[Binding] = []
+        for binding in reversed(released):  # reprieve the ones not needed after all
+            self._place(binding.request, binding.assignment, check=False)
+            if state.check(assignment, pod) is not None:
+                self._release(binding.request.name)
+                victims.append(binding)
+        return victims
+
+    def _plan(self, pod: PodRequest, decision: Decision, victims: Sequence[Binding]) -> PreemptionPlan:
+        return PreemptionPlan(pod, decision.node, decision,
+                              tuple(Victim(b.request.name, b.request.priority, self._work_lost(b)) for b in victims))
+
+    def _work_lost(self, binding: Binding) -> float:
+        """GPU-seconds a pod would lose if evicted now: the time since its last checkpoint."""
+        now = self.now()
+        started = self._started.get(binding.request.name, now)
+        ran = max(0.0, now - started)
+        every = binding.request.checkpoint_every_s
+        since = math.fmod(ran, every) if every > 0 else ran
+        return since * binding.assignment.gpu_milli / MILLI_PER_CARD
 
     def _may_preempt(self, pod: PodRequest, decision: Decision) -> bool:
         return (self.rules.preemption and pod.preempts and decision.status.code is Code.UNSCHEDULABLE
@@ -362,14 +467,7 @@ class Scheduler:
                 workload = binding.request.workload
                 if workload is not None and workload in budgets:
                     available[workload] = available.get(workload, 0) + 1
-        now = self.now()
-
-        def work_lost(binding: Binding) -> float:
-            started = self._started.get(binding.request.name, now)
-            ran = max(0.0, now - started)
-            every = binding.request.checkpoint_every_s
-            since = math.fmod(ran, every) if every > 0 else ran
-            return since * binding.assignment.gpu_milli / MILLI_PER_CARD
+        work_lost = self._work_lost
 
         def refuse(victims: Sequence[Binding]) -> str | None:
             taken: dict[str, int] = {}
@@ -431,9 +529,9 @@ class Scheduler:
                 self._assumed.pop(name, None)
                 self._nominated.pop(name, None)
                 if name in self.state.bindings:
-                    self.state.release(name)
+                    self._release(name)
             for binding in refused:
-                self.state.place(binding.request, binding.assignment)
+                self._place(binding.request, binding.assignment)
             for name in nomination.waiting_for:
                 self._victim_of.pop(name, None)
             message = f"eviction refused for {', '.join(b.request.name for b in refused)}"
@@ -463,7 +561,7 @@ class Scheduler:
                 failure = status
                 binding = self.state.bindings.get(name)
                 if binding is not None and binding.assignment == assignment:
-                    self.state.release(name)
+                    self._release(name)
         if failure is not None:
             for entry, _ in nomination.members:
                 if entry.request.name not in bound:
@@ -483,8 +581,20 @@ class Scheduler:
         return Decision(Status.success(), assignment, self.state.node_index.get(assignment.node, -1))
 
     def _expire(self) -> None:
-        """Fail gangs that waited too long for members; requeue nominations whose victims never left."""
+        """Fail gangs that waited too long for members; requeue nominations whose victims never left;
+        every `retry_preemptors_every_s`, put parked pods that could preempt someone back in the queue."""
         now = self.now()
+        if self.rules.preemption and now - self._last_retry >= self.rules.retry_preemptors_every_s:
+            self._last_retry = now
+            rows = self.state.pod_table.pods
+            live = rows.live[: rows.count]
+            if live.any():
+                lowest = int(rows.priority[: rows.count][live].min())
+                for entry in self.queue.parked:
+                    if entry.request.preempts and entry.request.priority > lowest:
+                        taken = self.queue.take(entry.request.name)
+                        if taken is not None:
+                            self.queue.requeue(taken)
         for gang, wait in list(self._gangs.items()):
             if now - wait.first_seen <= self.rules.gang_timeout_s:
                 continue
@@ -510,7 +620,7 @@ class Scheduler:
                 self._nominated.pop(name, None)
                 self._assumed.pop(name, None)
                 if name in self.state.bindings:
-                    self.state.release(name)
+                    self._release(name)
                 self.queue.requeue(entry)
 
     # ------------------------------------------------------------------ quotas
@@ -626,13 +736,16 @@ class Scheduler:
             failed = False
             for member in members:
                 pod = member.request
-                decision = self.framework.schedule(pod, self.state, within=within)
+                decision, cleared = self._decide(pod, within)
+                if cleared:
+                    victims.extend(cleared)
+                    plans.append(self._plan(pod, decision, cleared))
                 if decision.assignment is None and self._may_preempt(pod, decision):
                     self.stats.attempts += 1
                     result = self.preemption.plan(pod, self.state, self._victim_rules(pod, victims),
                                                   decision.diagnosis, within=within)
                     if result.plan is not None:
-                        victims.extend(evict_in_place(self.state, result.plan))
+                        victims.extend(self._release(v.pod) for v in result.plan.victims)
                         plans.append(result.plan)
                         decision = result.plan.decision
                     else:
@@ -643,12 +756,12 @@ class Scheduler:
                                                          f"{decision.status.message}"), None, -1, decision.diagnosis)
                     failed = True
                     break
-                self.state.place(pod, decision.assignment)
+                self._place(pod, decision.assignment)
                 placed.append((member, decision))
             if not failed:
                 return self._commit(placed, plans, victims)
             for member, _ in reversed(placed):  # release partial reservations, put victims back
-                self.state.release(member.request.name)
+                self._release(member.request.name)
             for binding in reversed(victims):
-                self.state.place(binding.request, binding.assignment)
+                self._place(binding.request, binding.assignment)
         return last
