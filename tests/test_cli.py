@@ -195,3 +195,23 @@ def test_pools_file_errors_name_the_field(tmp_path: Path) -> None:
     result = runner.invoke(app, ["simulate", "--pools", str(pools), "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "pools.dev.memory_oversell" in " ".join(result.output.split())
+
+
+def test_bench_preempt_json() -> None:
+    result = runner.invoke(app, ["bench", "preempt", "--preemptors", "60", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert figures["nodes"] == 1213
+    assert figures["median_fill_pct"] >= 95.0
+    # Some of the 60 high-priority pods need preemption at 95 % full; each plan evicts at least one pod.
+    assert figures["preemption_plans"] > 0
+    assert figures["victims"] >= figures["preemption_plans"]
+    assert figures["unschedulable"] == 0
+    assert figures["median_preemption_decisions_per_s"] > 0
+
+
+@pytest.mark.parametrize("args", [["--fill-pct", "0"], ["--preemptors", "0"], ["--victim-order", "oldest"]])
+def test_bench_preempt_rejects_bad_flags(args: list[str]) -> None:
+    result = runner.invoke(app, ["bench", "preempt", "--repeats", "1", *args])
+    assert result.exit_code == 2
+    assert "--" in result.output

@@ -251,11 +251,14 @@ def simulate(
     nodes: NodesOpt = None,
     pools: PoolsOpt = None,
     mode: ModeOpt = "fill",
-    node_policy: NodePolicyOpt = "binpack",
+    node_policy: Annotated[str | None, typer.Option(
+        help="node policy: binpack (default), spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd, "
+             "fgd-online")] = None,
     card_policy: CardPolicyOpt = None,
     card_only_one_scope: ScopeOpt = "workload",
     topo: TopoOpt = None,
-    seed: SeedOpt = 42,
+    seed: Annotated[int | None, typer.Option(help="seed for shuffling, resampling and tie-breaks (default 42)")]
+        = None,
     out_dir: Annotated[Path, typer.Option("--out", help="directory for report.html")] = Path("out"),
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
     placements: Annotated[Path | None, typer.Option(help="write every decision to this CSV")] = None,
@@ -278,6 +281,8 @@ def simulate(
         _simulate_scenario(scenario, scenario_file, set_ or [], days, trace, nodes, node_policy, seed, out_dir,
                            as_json)
         return
+    node_policy = node_policy or "binpack"
+    seed = 42 if seed is None else seed
     try:
         replay_mode = ReplayMode(mode)
     except ValueError:
@@ -312,17 +317,14 @@ def simulate(
 
 
 def _simulate_scenario(name: str, path: Path | None, assignments: list[str], days: float | None, trace: str,
-                       nodes: Path | None, node_policy: str, seed: int, out_dir: Path, as_json: bool) -> None:
+                       nodes: Path | None, node_policy: str | None, seed: int | None, out_dir: Path,
+                       as_json: bool) -> None:
     from gpuplane.cli.scenarios import SCENARIOS, print_comparison, run_training_backfill, scenario_settings
     from gpuplane.sim.backfill import BackfillScenario
 
     if name not in SCENARIOS:
         _fail(f"--scenario: choose one of {', '.join(SCENARIOS)}, got {name!r}")
-    explicit: dict[str, Any] = {"days": days}
-    if seed != 42:
-        explicit["seed"] = seed
-    if node_policy != "binpack":
-        explicit["node_policy"] = node_policy
+    explicit: dict[str, Any] = {"days": days, "seed": seed, "node_policy": node_policy}
     try:
         settings = scenario_settings(BackfillScenario, path, assignments, explicit)
         assert isinstance(settings, BackfillScenario)
@@ -437,6 +439,47 @@ def bench_schedule(
     for name, row in figures.items():
         table.add_row(name, f"{row['nodes']:,}", f"{row['decisions']:,}", f"{row['decisions_per_s']:,.0f}",
                       f"{row['peak_rss_mb']:,.0f}")
+    out.print(table)
+
+
+@bench_app.command("preempt")
+def bench_preempt(
+    fill_pct: Annotated[float, typer.Option(help="fill the trace cluster's GPUs with low-priority pods to this %")]
+        = 95.0,
+    preemptors: Annotated[int, typer.Option(help="high-priority pods submitted one at a time")] = 2000,
+    repeats: Annotated[int, typer.Option(help="runs (different seeds); the median is printed")] = 3,
+    max_candidates: Annotated[int, typer.Option(help="candidate nodes tried in full per preemption")] = 16,
+    victim_order: Annotated[str, typer.Option(help="fewest-first or lowest-priority-first")] = "fewest-first",
+    seed: SeedOpt = 42,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Preemption decisions per second on the 1,213-node trace cluster filled with low-priority pods."""
+    from statistics import median
+
+    from gpuplane.cli.bench import run_preempt_bench
+
+    if not 0 < fill_pct <= 100 or preemptors < 1 or repeats < 1 or max_candidates < 1:
+        _fail("--fill-pct must be within (0, 100], --preemptors, --repeats and --max-candidates at least 1")
+    if victim_order not in ("fewest-first", "lowest-priority-first"):
+        _fail(f"--victim-order: choose fewest-first or lowest-priority-first, got {victim_order!r}")
+    runs = []
+    for k in range(repeats):
+        if not as_json:
+            err.print(f"run {k + 1}/{repeats}: filling to {fill_pct:g} % and preempting {preemptors} times …")
+        runs.append(run_preempt_bench(fill_pct, preemptors, seed + k, max_candidates, victim_order))
+    keys = ("preemption_decisions_per_s", "decisions_per_s", "preemption_decision_ms", "victims_per_plan", "fill_pct")
+    figures = {k: v for k, v in runs[0].items() if k not in keys} | {
+        f"median_{k}": round(median(float(r[k]) for r in runs), 3) for k in keys} | {
+        "repeats": repeats, "runs_preemption_decisions_per_s": [r["preemption_decisions_per_s"] for r in runs]}
+    if as_json:
+        print(json.dumps(figures))
+        return
+    table = Table(title=f"gpuplane bench preempt ({runs[0]['nodes']:,} nodes filled to {fill_pct:g} %, median of "
+                        f"{repeats})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, str(value))
     out.print(table)
 
 

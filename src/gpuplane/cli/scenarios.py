@@ -13,17 +13,19 @@ from rich.table import Table
 
 from gpuplane.model import GpuplaneError, default_catalog
 from gpuplane.scheduler import PolicyConfig, default_registry
+from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim import bundled_path, load_nodes, load_pods, resolve_trace
-from gpuplane.sim.backfill import BackfillScenario, ScenarioError, load_scenario, run_comparison
+from gpuplane.sim.backfill import BackfillScenario, ScenarioError, read_scenario_file, run_comparison
 
 SCENARIOS = ("training-backfill",)
 
 
 def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Sequence[str],
                       explicit: dict[str, Any]) -> BaseModel:
-    """Defaults, then the YAML file, then `--set field=value` pairs, then explicit flags; errors name the field."""
-    base = load_scenario(path) if path is not None else model()
-    update: dict[str, Any] = {}
+    """Defaults, then the YAML file, then `--set field=value` pairs, then explicit flags, validated once
+    together; errors name the file (for a field the file set) and the field."""
+    from_file = read_scenario_file(path) if path is not None else {}
+    update: dict[str, Any] = dict(from_file)
     for item in assignments:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -35,11 +37,14 @@ def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Se
         update[key] = value.strip()
     update |= {k: v for k, v in explicit.items() if v is not None}
     try:
-        return model.model_validate(base.model_dump() | update)
+        return model.model_validate(update)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ScenarioError(f"scenario field {where}: {first['msg']}") from None
+        if path is not None and first["loc"] and first["loc"][0] in from_file:
+            raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
+        raise ScenarioError(f"scenario field {where}: {first['msg']}" if where else f"scenario: {first['msg']}") \
+            from None
 
 
 def run_training_backfill(settings: BackfillScenario, trace: str, nodes_path: Path | None, out_dir: Path,
@@ -51,7 +56,8 @@ def run_training_backfill(settings: BackfillScenario, trace: str, nodes_path: Pa
     pods = load_pods(resolve_trace(trace), catalog)
     if settings.node_policy not in default_registry().node_policies:
         raise GpuplaneError(f"scenario field node_policy: unknown policy {settings.node_policy!r}")
-    profile = default_registry().build(PolicyConfig(node_policy=settings.node_policy, seed=settings.seed))
+    profile = default_registry().build(PolicyConfig(node_policy=settings.node_policy, seed=settings.seed,
+                                                    typical=TypicalPods.from_workload(p.request for p in pods)))
     progress = Progress(TextColumn("[bold]training-backfill[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=err, transient=True, disable=quiet)
     with progress:

@@ -5,19 +5,25 @@ The same check serves the simulated world's `create_pod` and, later, a validatin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpuplane.model import MILLI_PER_CARD, GpuplaneError, PodRequest
 from gpuplane.model.priority import PriorityClasses
 from gpuplane.model.quota import Quotas
 
 
 class Admission:
-    """Resolves priority classes; refuses unknown classes and queues, and pods above their queue's maximum."""
+    """Resolves priority classes; refuses unknown classes and queues, pods above their queue's maximum, and
+    gang members once the gang's members so far need more GPUs than the whole cluster has
+    (`cluster_gpu_milli`, when given)."""
 
-    def __init__(self, classes: PriorityClasses, quotas: Quotas | None = None, *,
-                 require_class: bool = False) -> None:
+    def __init__(self, classes: PriorityClasses, quotas: Quotas | None = None, *, require_class: bool = False,
+                 cluster_gpu_milli: Callable[[], int] | None = None) -> None:
         self.classes = classes
         self.quotas = quotas or Quotas()
         self.require_class = require_class
+        self.cluster_gpu_milli = cluster_gpu_milli
+        self._gang_milli: dict[str, int] = {}
 
     def __call__(self, request: PodRequest) -> PodRequest | str:
         if request.priority_class is None and self.require_class:
@@ -34,4 +40,11 @@ class Admission:
             if quota.max_milli is not None and request.gpu_milli_total > quota.max_milli:
                 return (f"queue: pod needs {request.gpu_milli_total / MILLI_PER_CARD:g} GPUs, more than queue "
                         f"{quota.name}'s maximum of {quota.max_gpus:g}")
+        if request.gang is not None and self.cluster_gpu_milli is not None:
+            total = self._gang_milli.get(request.gang, 0) + request.gpu_milli_total
+            capacity = self.cluster_gpu_milli()
+            if total > capacity:
+                return (f"gang: gang {request.gang} would need at least {total / MILLI_PER_CARD:g} GPUs, more than "
+                        f"the whole cluster's {capacity / MILLI_PER_CARD:g}")
+            self._gang_milli[request.gang] = total
         return request

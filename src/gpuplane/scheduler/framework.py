@@ -71,6 +71,9 @@ class CycleState:
 
 OUTSIDE = "outside the nodes considered"
 
+NEAR_CARDS: StateKey[dict[int, frozenset[int]]] = StateKey("framework/near-cards")
+"""Per node, cards the pod should sit close to (its gang's placed members): pickers prefer their NVLink group."""
+
 CARD_OK: StateKey[BoolArray] = StateKey("framework/card-ok")
 """Cards (nodes × card slots) that every card check so far has passed."""
 
@@ -204,7 +207,8 @@ class Framework:
         self._rank = np.zeros(0, np.int64)
 
     def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState, *, diagnose: bool = True,
-                   within: BoolArray | None = None) -> tuple[BoolArray, Diagnosis | None]:
+                   within: BoolArray | None = None, within_reason: str = OUTSIDE,
+                   within_resolvable: bool = False) -> tuple[BoolArray, Diagnosis | None]:
         """Run every filter. Returns the feasible-node mask and, if asked, why the others failed.
 
         `within` limits the search to some nodes (a gang's network block, a preemption candidate); the
@@ -218,9 +222,10 @@ class Framework:
         reason_of = np.full(n, -1, np.int64) if diagnose else None
         unresolvable: set[int] = set()
         if within is not None and reason_of is not None and not alive.all():
-            reasons.append(OUTSIDE)
+            reasons.append(within_reason)
             reason_of[~alive] = 0
-            unresolvable.add(0)
+            if not within_resolvable:
+                unresolvable.add(0)
         gpu = pod.gpu
         need = gpu.count if isinstance(gpu, WholeCards) else 1
         for plugin in self.profile.filters:
@@ -268,13 +273,15 @@ class Framework:
         return int(top[self.rng.integers(len(top))])
 
     def schedule(self, pod: PodRequest, state: ClusterState, *, within: BoolArray | None = None,
-                 cycle: CycleState | None = None) -> Decision:
+                 cycle: CycleState | None = None, within_reason: str = OUTSIDE,
+                 within_resolvable: bool = False) -> Decision:
         """Decide where `pod` goes. Does not change `state`; the caller reserves and binds.
 
         `cycle` may carry keys a caller seeds for score plugins (a gang's placed members).
         """
         cycle = cycle if cycle is not None else CycleState()
-        alive, diagnosis = self.find_nodes(cycle, pod, state, within=within)
+        alive, diagnosis = self.find_nodes(cycle, pod, state, within=within, within_reason=within_reason,
+                                           within_resolvable=within_resolvable)
         card_ok = cycle.read(CARD_OK)
         candidates = np.flatnonzero(alive)
         while len(candidates):

@@ -77,12 +77,14 @@ class VictimRules:
     `eligible`: per row of `state.pod_table.pods`, whether that pod may be evicted for this preemptor
     (strictly lower priority, or borrowing quota the preemptor's queue is owed). `work_lost`: GPU-seconds
     a victim would lose. `refuse`: a reason a victim set may not be evicted together (a disruption budget
-    or a queue's guaranteed minimum), or None.
+    or a queue's guaranteed minimum), or None. `protected`: victims that a budget guards; they are given
+    back first in the reprieve, so a node keeps them whenever other victims will do.
     """
 
     eligible: BoolArray
     work_lost: Callable[[Binding], float]
     refuse: Callable[[Sequence[Binding]], str | None]
+    protected: Callable[[Binding], bool] = lambda binding: False
 
 
 @dataclass(slots=True)
@@ -208,8 +210,9 @@ class Preemption:
             live = [node for node in removed if fits[node]]
             # Reprieve order: keep the most valuable first (higher priority, then smaller so that fewer
             # victims go, then more work at stake).
-            queues = {node: sorted(removed[node], key=lambda b: (-b.request.priority, b.assignment.gpu_milli,
-                                                                 -rules.work_lost(b), b.request.name))
+            queues = {node: sorted(removed[node], key=lambda b: (not rules.protected(b), -b.request.priority,
+                                                                 b.assignment.gpu_milli, -rules.work_lost(b),
+                                                                 b.request.name))
                       for node in live}
             victims: dict[int, list[Binding]] = {node: [] for node in live}
             while any(queues.values()):

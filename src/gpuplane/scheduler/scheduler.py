@@ -33,7 +33,7 @@ from gpuplane.model.priority import PriorityClasses, default_priority_classes
 from gpuplane.model.quota import Quotas
 from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 from gpuplane.port.status import Code
-from gpuplane.scheduler.framework import Decision, Framework, Profile
+from gpuplane.scheduler.framework import NEAR_CARDS, OUTSIDE, CycleState, Decision, Framework, Profile
 from gpuplane.scheduler.preemption import (
     Preemption,
     PreemptionPlan,
@@ -44,6 +44,7 @@ from gpuplane.scheduler.preemption import (
 from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
 
 NETWORK_BLOCK_LABEL = "gpuplane.io/network-block"
+HELD_FOR_NOMINATION = "node(s) held for a nominated pod whose victims are still terminating"
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,11 @@ class Scheduler:
             waiting.waiting_for.discard(name)
             if not waiting.waiting_for and waiting is not self._committing:
                 self._bind_nomination(waiting)
+            # A victim leaves only now: what it held beyond the preemptor's need is free in the world too,
+            # and a pod that tried it while the victim was terminating got a bind conflict and was parked.
+            node = self.state.node_index.get(pod.assignment.node) if pod.assignment is not None else None
+            if node is not None:
+                self.queue.activate_for_node(self.state, node)
 
     def _on_bound(self, pod: PodInfo) -> None:
         """The world bound a pod: confirm our reservation, or let the world's binding replace it."""
@@ -355,7 +361,8 @@ class Scheduler:
         if not self._may_preempt(pod, decision):
             return decision
         self.stats.attempts += 1
-        result = self.preemption.plan(pod, self.state, self._victim_rules(pod, []), decision.diagnosis)
+        result = self.preemption.plan(pod, self.state, self._victim_rules(pod, []), decision.diagnosis,
+                                      within=self._held(pod))
         if result.plan is None:
             message = f"{decision.status.message} Preemption: {result.reason}."
             return Decision(Status.unschedulable(message), None, -1, decision.diagnosis)
@@ -363,16 +370,29 @@ class Scheduler:
         self._place(pod, result.plan.decision.assignment)  # type: ignore[arg-type]
         return self._commit([(entry, result.plan.decision)], [result.plan], victims)
 
-    def _decide(self, pod: PodRequest, within: np.ndarray | None = None) -> tuple[Decision, list[Binding]]:
+    def _decide(self, pod: PodRequest, within: np.ndarray | None = None,
+                near: dict[int, frozenset[int]] | None = None) -> tuple[Decision, list[Binding]]:
         """Where `pod` goes. A pod above the backfill classes is placed on the cache without backfill pods
         (the shadow), and the backfill pods in the way of that placement are released from the cache and
-        returned as victims (the caller evicts them or puts them back)."""
+        returned as victims (the caller evicts them or puts them back). `near`: cards to sit close to."""
+        cycle = CycleState()
+        if near:
+            cycle.write(NEAR_CARDS, near)
+        held = self._held(pod)
+        reason, resolvable = OUTSIDE, False
+        if held is not None:
+            if within is None:
+                within, reason, resolvable = held, HELD_FOR_NOMINATION, True
+            else:
+                within = within & held
         shadow = self.shadow
         if (shadow is None or self._backfill_priority is None or pod.priority <= self._backfill_priority
                 or not pod.preempts or not self.rules.preemption or self.is_backfill(pod)
                 or len(shadow.bindings) == len(self.state.bindings)):
-            return self.framework.schedule(pod, self.state, within=within), []
-        decision = self.framework.schedule(pod, shadow, within=within)
+            return self.framework.schedule(pod, self.state, within=within, cycle=cycle, within_reason=reason,
+                                           within_resolvable=resolvable), []
+        decision = self.framework.schedule(pod, shadow, within=within, cycle=cycle, within_reason=reason,
+                                           within_resolvable=resolvable)
         assignment = decision.assignment
         if assignment is None:
             return decision, []
@@ -380,7 +400,7 @@ class Scheduler:
             return decision, []
         cleared = self._clear_backfill(pod, decision.node, assignment)
         if cleared is None:
-            return self.framework.schedule(pod, self.state, within=within), []
+            return self.framework.schedule(pod, self.state, within=within, cycle=CycleState()), []
         return decision, cleared
 
     def _clear_backfill(self, pod: PodRequest, node: int, assignment: Assignment) -> list[Binding] | None:
@@ -409,6 +429,10 @@ class Scheduler:
             if state.check(assignment, pod) is not None:
                 self._release(binding.request.name)
                 victims.append(binding)
+        if self.rules.min_available and self._victim_rules(pod, []).refuse(victims) is not None:
+            for binding in victims:
+                self._place(binding.request, binding.assignment, check=False)
+            return None
         return victims
 
     def _plan(self, pod: PodRequest, decision: Decision, victims: Sequence[Binding]) -> PreemptionPlan:
@@ -487,7 +511,10 @@ class Scheduler:
                     return f"queue {queue} would drop below its guaranteed minimum"
             return None
 
-        return VictimRules(eligible, work_lost, refuse)
+        def protected(binding: Binding) -> bool:
+            return binding.request.workload is not None and binding.request.workload in budgets
+
+        return VictimRules(eligible, work_lost, refuse, protected)
 
     def _commit(self, placed: list[tuple[QueuedPod, Decision]], plans: Sequence[PreemptionPlan],
                 victims: list[Binding]) -> Decision:
@@ -507,6 +534,11 @@ class Scheduler:
         try:
             for binding in victims:
                 name = binding.request.name
+                if name in self._nominated:
+                    # A reservation, not a running pod: it loses its nomination and waits again; the
+                    # victims it was waiting for are now this nomination's to wait for.
+                    self._cancel_nomination(self._nominated[name], heir=nomination)
+                    continue
                 grace = self.rules.classes.victim_grace_s(binding.request, self.rules.default_victim_grace_s)
                 self._victim_of[name] = nomination
                 nomination.waiting_for.add(name)
@@ -543,10 +575,48 @@ class Scheduler:
         return Decision(Status(Code.WAIT, (f"nominated to {node}; waiting for {len(nomination.waiting_for)} "
                                            f"victim(s) to terminate",)), first.assignment, first.node)
 
+    def _cancel_nomination(self, nomination: Nomination, heir: Nomination | None = None) -> None:
+        """Undo a nomination: its pods' reservations leave the cache and the pods go back to the queue.
+        `heir` inherits the victims still terminating (their capacity is what the heir was given)."""
+        if nomination in self._nominations:
+            self._nominations.remove(nomination)
+        for entry, assignment in nomination.members:
+            name = entry.request.name
+            self._nominated.pop(name, None)
+            self._assumed.pop(name, None)
+            binding = self.state.bindings.get(name)
+            if binding is not None and binding.assignment == assignment:
+                self._release(name)
+            self.queue.requeue(entry)
+        nomination.members = []
+        for victim in nomination.waiting_for:
+            if heir is not None:
+                heir.waiting_for.add(victim)
+                self._victim_of[victim] = heir
+            else:
+                self._victim_of.pop(victim, None)
+        nomination.waiting_for = set()
+
+    def _held(self, pod: PodRequest) -> np.ndarray | None:
+        """Nodes a pod may not use now: a nomination of equal or higher priority waits there for its victims
+        to leave (the capacity they still hold is not free in the world yet)."""
+        if not self._nominations:
+            return None
+        mask = np.ones(self.state.size, np.bool_)
+        for nomination in self._nominations:
+            for entry, assignment in nomination.members:
+                if entry.request.priority >= pod.priority:
+                    node = self.state.node_index.get(assignment.node)
+                    if node is not None:
+                        mask[node] = False
+        return None if mask.all() else mask
+
     def _bind_nomination(self, nomination: Nomination, *, immediate: bool = False) -> Decision:
         """Bind every member of a nomination; a gang that cannot bind whole is rolled back."""
         if nomination in self._nominations:
             self._nominations.remove(nomination)
+        if not nomination.members:  # every nominated pod went away meanwhile
+            return Decision(Status.error("nominated pods are gone"))
         bound: list[str] = []
         failure: Status | None = None
         for entry, assignment in nomination.members:
@@ -726,6 +796,26 @@ class Scheduler:
         labels = np.array([n or "" for n in names])
         return [labels == block for block in ranked] + [None]
 
+    def _decide_member(self, pod: PodRequest, within: np.ndarray | None,
+                       placed: list[tuple[QueuedPod, Decision]]) -> tuple[Decision, list[Binding]]:
+        """A gang member goes beside the members placed so far (their nodes, their NVLink groups) if it
+        can, else anywhere in `within`."""
+        near: dict[int, frozenset[int]] = {}
+        for _, decision in placed:
+            if decision.assignment is not None and decision.node >= 0:
+                cards = frozenset(share.card for share in decision.assignment.cards)
+                near[decision.node] = near.get(decision.node, frozenset()) | cards
+        if near and pod.gpu is not None:
+            beside = np.zeros(self.state.size, np.bool_)
+            beside[list(near)] = True
+            if within is not None:
+                beside &= within
+            if beside.any():
+                decision, cleared = self._decide(pod, beside, near)
+                if decision.assignment is not None:
+                    return decision, cleared
+        return self._decide(pod, within, near)
+
     def _place_gang(self, members: list[QueuedPod]) -> Decision:
         """Trial-place every member in the cache (preempting if allowed); commit all or undo all."""
         last = Decision(Status.unschedulable("no members"))
@@ -736,14 +826,16 @@ class Scheduler:
             failed = False
             for member in members:
                 pod = member.request
-                decision, cleared = self._decide(pod, within)
+                decision, cleared = self._decide_member(pod, within, placed)
                 if cleared:
                     victims.extend(cleared)
                     plans.append(self._plan(pod, decision, cleared))
                 if decision.assignment is None and self._may_preempt(pod, decision):
                     self.stats.attempts += 1
+                    held = self._held(pod)
+                    scope = held if within is None else within if held is None else within & held
                     result = self.preemption.plan(pod, self.state, self._victim_rules(pod, victims),
-                                                  decision.diagnosis, within=within)
+                                                  decision.diagnosis, within=scope)
                     if result.plan is not None:
                         victims.extend(self._release(v.pod) for v in result.plan.victims)
                         plans.append(result.plan)

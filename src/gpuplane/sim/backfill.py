@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpuplane.model import MILLI_PER_CARD, Catalog, ClusterState, GpuplaneError, NodeSpec, PodRequest, QoS
 from gpuplane.model.priority import (
@@ -34,7 +36,6 @@ from gpuplane.model.priority import (
     PriorityClasses,
     default_priority_classes,
 )
-from gpuplane.model.yamlfile import load_yaml_model
 from gpuplane.port import ClusterEvent, EventKind
 from gpuplane.scheduler import Framework, Outcome, Profile, Scheduler
 from gpuplane.scheduler.admission import Admission
@@ -98,9 +99,29 @@ class BackfillScenario(BaseModel):
         ])
 
 
+def read_scenario_file(path: str | Path) -> dict[str, Any]:
+    """The fields a YAML scenario file sets (not validated yet: flags may still change them). An empty file
+    sets nothing."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{path}: a scenario file is a mapping of field: value, got {type(raw).__name__}")
+    return {str(k): v for k, v in raw.items()}
+
+
 def load_scenario(path: str | Path, **overrides: object) -> BackfillScenario:
-    scenario = load_yaml_model(path, BackfillScenario, ScenarioError)
-    return scenario.model_copy(update={k: v for k, v in overrides.items() if v is not None}) if overrides else scenario
+    """The scenario in `path` with `overrides` applied, validated together; errors name the file and field."""
+    fields = read_scenario_file(path) | {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return BackfillScenario.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ScenarioError(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None
 
 
 @dataclass(slots=True)
@@ -291,7 +312,7 @@ def run_backfill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[Tra
     loop = EventLoop()
     cluster = SimCluster(catalog, nodes, loop=loop)
     classes = scenario.classes()
-    cluster.admission.append(Admission(classes))
+    cluster.admission.append(Admission(classes, cluster_gpu_milli=cluster.state.total_gpu_milli))
     scheduler = Scheduler(cluster, catalog, profile, seed=scenario.seed, now=loop.now,
                           rules=SchedulingRules(classes=classes, victim_order=scenario.victim_order))
     capacity = cluster.state.total_gpu_milli()
@@ -305,6 +326,7 @@ def run_backfill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[Tra
     normal_milli = 0
     batch_count = 0
     pending_batch = 0
+    refill_due = False
     total = len(workload.normal)
 
     def submit(job: _Job) -> None:
@@ -334,7 +356,7 @@ def run_backfill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[Tra
                 new_batch()
 
     def on_bound(outcome: Outcome) -> bool:
-        nonlocal normal_milli, pending_batch
+        nonlocal normal_milli, pending_batch, refill_due
         run.decisions += 1
         if not outcome.decision.status.ok or outcome.decision.assignment is None:
             return True
@@ -351,8 +373,17 @@ def run_backfill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[Tra
                     run.normal_waits_s.append(now - job.arrival)
         else:
             pending_batch -= 1
+            if pending_batch < scenario.batch_backlog and not refill_due:
+                refill_due = True
+                loop.call_later(0.0, refill)
         job.departure = loop.call_later(job.remaining_s, functools.partial(finish, job.pod))
         return True
+
+    def refill() -> None:
+        nonlocal refill_due
+        refill_due = False
+        top_up()
+        scheduler.run_pending(on_bound)
 
     def finish(pod: str) -> None:
         job = jobs[pod]

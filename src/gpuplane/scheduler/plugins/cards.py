@@ -30,7 +30,7 @@ from gpuplane.model import (
     RdmaShare,
     WholeCards,
 )
-from gpuplane.scheduler.framework import BoolArray, CardCheck, CardPick, Check, CycleState
+from gpuplane.scheduler.framework import NEAR_CARDS, BoolArray, CardCheck, CardPick, Check, CycleState
 
 
 class CardOrder(enum.Enum):
@@ -53,7 +53,8 @@ class OrderedCardPicker:
         if gpu is None:
             shares = ()
         elif isinstance(gpu, WholeCards):
-            chosen = self.whole_cards(state, node, cards, gpu.count)
+            near = cycle.get(NEAR_CARDS, {}).get(node, frozenset())
+            chosen = self.whole_cards(state, node, cards, gpu.count, near)
             if chosen is None:
                 return None
             shares = tuple(CardShare(c, MILLI_PER_CARD, int(state.card_mem_cap[node, c]),
@@ -95,12 +96,18 @@ class OrderedCardPicker:
         return CardShare(chosen, gpu.compute_milli, memory, gpu.encoders, gpu.decoders)
 
     # ------------------------------------------------------------------ whole cards
-    def whole_cards(self, state: ClusterState, node: int, cards: Sequence[int], count: int) -> list[int] | None:
+    def whole_cards(self, state: ClusterState, node: int, cards: Sequence[int], count: int,
+                    near: frozenset[int] = frozenset()) -> list[int] | None:
+        """`count` cards in one NVLink group if possible, else one NUMA node; with `near` (a gang's cards
+        on this node), a group that already holds some of them comes first."""
         if len(cards) < count:
             return None
         topology = state.nodes[node].topology
         domains: list[list[list[int]]] = []
         if topology.nvlink_groups:
+            if near:
+                beside = [[c for c in group if c in cards] for group in topology.nvlink_groups if near & set(group)]
+                domains.append(beside)
             domains.append([[c for c in group if c in cards] for group in topology.nvlink_groups])
         numa_ids = sorted(set(topology.numa))
         domains.append([[c for c in cards if topology.numa[c] == numa] for numa in numa_ids])
