@@ -10,6 +10,7 @@ from collections.abc import Callable
 from gpuplane.model import MILLI_PER_CARD, GpuplaneError, PodRequest
 from gpuplane.model.priority import PriorityClasses
 from gpuplane.model.quota import Quotas
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, Unsubscribe
 
 
 class Admission:
@@ -23,7 +24,21 @@ class Admission:
         self.quotas = quotas or Quotas()
         self.require_class = require_class
         self.cluster_gpu_milli = cluster_gpu_milli
-        self._gang_milli: dict[str, int] = {}
+        self._gang_members: dict[str, dict[str, int]] = {}
+        """Per gang, the GPU milli of each admitted member that has not left yet."""
+
+    def attach(self, port: ClusterPort) -> Unsubscribe:
+        """Watch `port` so that members that leave (deleted, failed) stop counting towards their gang."""
+        return port.watch(self.on_event)
+
+    def on_event(self, event: ClusterEvent) -> None:
+        if event.kind in (EventKind.POD_DELETED, EventKind.POD_FAILED) and event.pod is not None:
+            gang = event.pod.request.gang
+            if gang is not None and gang in self._gang_members:
+                members = self._gang_members[gang]
+                members.pop(event.pod.name, None)
+                if not members:
+                    del self._gang_members[gang]
 
     def __call__(self, request: PodRequest) -> PodRequest | str:
         if request.priority_class is None and self.require_class:
@@ -41,10 +56,13 @@ class Admission:
                 return (f"queue: pod needs {request.gpu_milli_total / MILLI_PER_CARD:g} GPUs, more than queue "
                         f"{quota.name}'s maximum of {quota.max_gpus:g}")
         if request.gang is not None and self.cluster_gpu_milli is not None:
-            total = self._gang_milli.get(request.gang, 0) + request.gpu_milli_total
+            members = self._gang_members.setdefault(request.gang, {})
+            total = sum(members.values()) + request.gpu_milli_total
             capacity = self.cluster_gpu_milli()
             if total > capacity:
+                if not members:
+                    del self._gang_members[request.gang]
                 return (f"gang: gang {request.gang} would need at least {total / MILLI_PER_CARD:g} GPUs, more than "
                         f"the whole cluster's {capacity / MILLI_PER_CARD:g}")
-            self._gang_milli[request.gang] = total
+            members[request.name] = request.gpu_milli_total
         return request

@@ -512,7 +512,9 @@ class Scheduler:
             return None
 
         def protected(binding: Binding) -> bool:
-            return binding.request.workload is not None and binding.request.workload in budgets
+            """Budget-guarded pods and gang members (evicting one stops its whole gang) are kept if possible."""
+            request = binding.request
+            return request.gang is not None or (request.workload is not None and request.workload in budgets)
 
         return VictimRules(eligible, work_lost, refuse, protected)
 
@@ -525,6 +527,7 @@ class Scheduler:
         eviction: the trial is undone and the caller parks the pods).
         """
         members = [(entry, decision.assignment) for entry, decision in placed if decision.assignment is not None]
+        victims = victims + self._gang_collateral(victims)
         nomination = Nomination(members, set(), self.now() + self.rules.nomination_timeout_s)
         for entry, assignment in members:
             self._assumed[entry.request.name] = assignment
@@ -575,6 +578,17 @@ class Scheduler:
         return Decision(Status(Code.WAIT, (f"nominated to {node}; waiting for {len(nomination.waiting_for)} "
                                            f"victim(s) to terminate",)), first.assignment, first.node)
 
+    def _gang_collateral(self, victims: Sequence[Binding]) -> list[Binding]:
+        """The running members of the victims' gangs that are not victims yet: a gang never runs in part, so
+        they go too (released from the cache here; the caller evicts them)."""
+        gangs = {b.request.gang for b in victims if b.request.gang is not None}
+        if not gangs:
+            return []
+        chosen = {b.request.name for b in victims}
+        others = [name for name, b in self.state.bindings.items()
+                  if b.request.gang in gangs and name not in chosen and name not in self._nominated]
+        return [self._release(name) for name in others]
+
     def _cancel_nomination(self, nomination: Nomination, heir: Nomination | None = None) -> None:
         """Undo a nomination: its pods' reservations leave the cache and the pods go back to the queue.
         `heir` inherits the victims still terminating (their capacity is what the heir was given)."""
@@ -588,6 +602,7 @@ class Scheduler:
             if binding is not None and binding.assignment == assignment:
                 self._release(name)
             self.queue.requeue(entry)
+        self._release_hold(nomination)
         nomination.members = []
         for victim in nomination.waiting_for:
             if heir is not None:
@@ -645,10 +660,16 @@ class Scheduler:
                 decision = Decision(Status.success() if ok else (failure or Status.error("bind failed")),
                                     assignment if ok else None, self.state.node_index.get(assignment.node, -1))
                 self.on_deferred(Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at))
+        self._release_hold(nomination)
         if failure is not None:
             return Decision(failure)
         entry, assignment = nomination.members[0]
         return Decision(Status.success(), assignment, self.state.node_index.get(assignment.node, -1))
+
+    def _release_hold(self, nomination: Nomination) -> None:
+        """The nodes a nomination held are open again: wake the pods parked while they were held."""
+        for node in sorted({self.state.node_index.get(a.node, -1) for _, a in nomination.members} - {-1}):
+            self.queue.activate_for_node(self.state, node)
 
     def _expire(self) -> None:
         """Fail gangs that waited too long for members; requeue nominations whose victims never left;
@@ -660,8 +681,9 @@ class Scheduler:
             live = rows.live[: rows.count]
             if live.any():
                 lowest = int(rows.priority[: rows.count][live].min())
+                usage = self._queue_usage() if self.rules.quotas else {}
                 for entry in self.queue.parked:
-                    if entry.request.preempts and entry.request.priority > lowest:
+                    if entry.request.preempts and (entry.request.priority > lowest or self._owed(entry.request, usage)):
                         taken = self.queue.take(entry.request.name)
                         if taken is not None:
                             self.queue.requeue(taken)
@@ -720,10 +742,23 @@ class Scheduler:
                 f"{need_milli / MILLI_PER_CARD:g} more asked")
 
     def _wake_queue(self, queue: str) -> None:
+        """A pod of `queue` left: its pods held at the maximum may go, and parked ones may now be owed their
+        minimum (and so may reclaim what other queues borrow)."""
         waiting = self._quota_waiting.pop(queue, None)
         if waiting:
             for entry in waiting.values():
                 self.queue.requeue(entry)
+        if queue in self.rules.quotas:
+            for entry in self.queue.parked:
+                if entry.request.queue == queue:
+                    taken = self.queue.take(entry.request.name)
+                    if taken is not None:
+                        self.queue.requeue(taken)
+
+    def _owed(self, pod: PodRequest, usage: Mapping[str, int]) -> bool:
+        """Whether `pod` fits within its queue's guaranteed minimum (so it may reclaim borrowed capacity)."""
+        quota = self.rules.quotas.get(pod.queue) if pod.queue is not None else None
+        return quota is not None and usage.get(quota.name, 0) + pod.gpu_milli_total <= quota.min_milli
 
     # ------------------------------------------------------------------ gangs
     def _attempt_gang(self, entry: QueuedPod) -> list[Outcome]:
@@ -750,6 +785,16 @@ class Scheduler:
             del self._gangs[gang]
             reason = (f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than the whole cluster's "
                       f"{capacity / MILLI_PER_CARD:g}")
+            self.stats.gangs_failed += 1
+            for member in members:
+                self.port.fail_pod(member.request.name, reason)
+            return [Outcome(e.request, Decision(Status.unschedulable(reason, resolvable=False)), e.attempts,
+                            now - e.enqueued_at) for e in members]
+        queue = self.rules.quotas.get(members[0].request.queue) if members[0].request.queue is not None else None
+        if queue is not None and queue.max_milli is not None and need > queue.max_milli:
+            del self._gangs[gang]
+            reason = (f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than queue {queue.name}'s maximum "
+                      f"of {queue.max_gpus:g}")
             self.stats.gangs_failed += 1
             for member in members:
                 self.port.fail_pod(member.request.name, reason)

@@ -312,7 +312,9 @@ def run_backfill(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[Tra
     loop = EventLoop()
     cluster = SimCluster(catalog, nodes, loop=loop)
     classes = scenario.classes()
-    cluster.admission.append(Admission(classes, cluster_gpu_milli=cluster.state.total_gpu_milli))
+    admission = Admission(classes, cluster_gpu_milli=cluster.state.total_gpu_milli)
+    cluster.admission.append(admission)
+    admission.attach(cluster)
     scheduler = Scheduler(cluster, catalog, profile, seed=scenario.seed, now=loop.now,
                           rules=SchedulingRules(classes=classes, victim_order=scenario.victim_order))
     capacity = cluster.state.total_gpu_milli()
