@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -274,19 +274,15 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[BackfillScenario]:
     """Replace the run itself: the CLI's settings are recorded and nothing is simulated."""
     seen: list[BackfillScenario] = []
 
-    def fake(settings: BackfillScenario, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
-             quiet: bool) -> tuple[dict[str, Any], Path, list[tuple[str, str, str]]]:
+    def fake(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
+             quiet: bool) -> scenarios.ScenarioOutput:
+        assert isinstance(settings, BackfillScenario)
         seen.append(settings)
-        return {"captured": True}, out_dir / "report.html", []
+        return scenarios.ScenarioOutput({"captured": True}, out_dir / "report.html", [], ("a", "b"), "", "")
 
     monkeypatch.setattr(scenarios, "run_training_backfill", fake)
     return seen
 
-
-FLAG_BEATS_FILE = ("explicit flags come last, but --seed/--node-policy are applied only when they differ "
-                   "from their defaults (42, binpack), so the default value cannot override a file or --set")
-FILE_VALIDATED_ALONE = ("the scenario file is validated on its own before --set/--days are applied, so a file "
-                        "that the later layers make valid is rejected")
 
 PRECEDENCE_CASES = [
     pytest.param(True, [], {"node_count": 20, "days": 0.25, "warmup_hours": 1.0, "normal_load": 0.6, "seed": 5,
@@ -371,7 +367,7 @@ def test_unknown_node_policy_is_refused_before_any_run(tmp_path: Path) -> None:
 def test_unknown_scenario_exits_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["simulate", "--scenario", "nosuch", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert flat("--scenario: choose one of training-backfill, got 'nosuch'") in flat(result.output)
+    assert flat("--scenario: choose one of training-backfill, tidal, got 'nosuch'") in flat(result.output)
 
 
 # ------------------------------------------------------------------------------- the model, directly

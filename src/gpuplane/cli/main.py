@@ -270,7 +270,7 @@ def simulate(
     arrival: ArrivalOpt = "poisson",
     hours: Annotated[float, typer.Option(help="timed mode: arrival horizon in virtual hours")] = 8.0,
     scenario: Annotated[str | None, typer.Option(
-        help="run a scenario instead of a plain replay: training-backfill")] = None,
+        help="run a scenario instead of a plain replay: training-backfill or tidal")] = None,
     scenario_file: Annotated[Path | None, typer.Option(help="scenario parameters (YAML, any field)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="scenario field=value (repeatable), "
                                                    "e.g. --set normal_load=0.8")] = None,
@@ -319,24 +319,23 @@ def simulate(
 def _simulate_scenario(name: str, path: Path | None, assignments: list[str], days: float | None, trace: str,
                        nodes: Path | None, node_policy: str | None, seed: int | None, out_dir: Path,
                        as_json: bool) -> None:
-    from gpuplane.cli.scenarios import SCENARIOS, print_comparison, run_training_backfill, scenario_settings
-    from gpuplane.sim.backfill import BackfillScenario
+    from gpuplane.cli.scenarios import print_output, scenario_kinds, scenario_settings
 
-    if name not in SCENARIOS:
-        _fail(f"--scenario: choose one of {', '.join(SCENARIOS)}, got {name!r}")
+    kinds = scenario_kinds()
+    kind = kinds.get(name)
+    if kind is None:
+        _fail(f"--scenario: choose one of {', '.join(kinds)}, got {name!r}")
     explicit: dict[str, Any] = {"days": days, "seed": seed, "node_policy": node_policy}
     try:
-        settings = scenario_settings(BackfillScenario, path, assignments, explicit)
-        assert isinstance(settings, BackfillScenario)
-        figures, report, rows = run_training_backfill(settings, trace, nodes, out_dir, err, quiet=as_json)
+        settings = scenario_settings(kind.model, path, assignments, explicit)
+        output = kind.run(settings, trace, nodes, out_dir, err, as_json)
     except GpuplaneError as exc:
         _fail(str(exc))
     if as_json:
-        print(json.dumps(figures))
+        print(json.dumps(output.figures))
         return
-    print_comparison(out, f"training-backfill: {figures['nodes']} nodes, {figures['gpus']} GPUs, "
-                          f"{settings.days:g} day(s)", rows, figures)
-    out.print(f"report: {report}")
+    print_output(out, output)
+    out.print(f"report: {output.report}")
 
 
 @app.command()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gpuplane.model import GpuplaneError, default_catalog
-from gpuplane.scheduler import PolicyConfig, default_registry
+from gpuplane.scheduler import PolicyConfig, Profile, default_registry
 from gpuplane.scheduler.plugins.frag import TypicalPods
-from gpuplane.sim import bundled_path, load_nodes, load_pods, resolve_trace
+from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods, resolve_trace
 from gpuplane.sim.backfill import BackfillScenario, ScenarioError, read_scenario_file, run_comparison
 
-SCENARIOS = ("training-backfill",)
+SCENARIOS = ("training-backfill", "tidal")
 
 
 def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Sequence[str],
@@ -47,40 +48,98 @@ def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Se
             from None
 
 
-def run_training_backfill(settings: BackfillScenario, trace: str, nodes_path: Path | None, out_dir: Path,
-                          err: Console, quiet: bool) -> tuple[dict[str, Any], Path, list[tuple[str, str, str]]]:
+@dataclass(frozen=True, slots=True)
+class ScenarioOutput:
+    figures: dict[str, Any]
+    report: Path
+    rows: list[tuple[str, str, str]]
+    columns: tuple[str, str]
+    title: str
+    summary: str
+
+
+def _progress(name: str, err: Console, quiet: bool) -> tuple[Progress, Callable[[str, int, int], None]]:
+    progress = Progress(TextColumn(f"[bold]{name}[/] {{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    tasks: dict[str, Any] = {}
+
+    def tick(label: str, done: int, total: int) -> None:
+        if label not in tasks:
+            tasks[label] = progress.add_task(label, total=total)
+        progress.update(tasks[label], completed=done, total=total)
+
+    return progress, tick
+
+
+def _profile(node_policy: str, seed: int, pods: Sequence[TracePod] | None) -> Profile:
+    if node_policy not in default_registry().node_policies:
+        raise GpuplaneError(f"scenario field node_policy: unknown policy {node_policy!r}")
+    typical = TypicalPods.from_workload(p.request for p in pods) if pods else None
+    return default_registry().build(PolicyConfig(node_policy=node_policy, seed=seed, typical=typical))
+
+
+def run_training_backfill(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path,
+                          err: Console, quiet: bool) -> ScenarioOutput:
     from gpuplane.report.backfill import comparison_rows, write_backfill_report
 
+    assert isinstance(settings, BackfillScenario)
     catalog = default_catalog()
     nodes = load_nodes(nodes_path or bundled_path("nodes"), catalog)
     pods = load_pods(resolve_trace(trace), catalog)
-    if settings.node_policy not in default_registry().node_policies:
-        raise GpuplaneError(f"scenario field node_policy: unknown policy {settings.node_policy!r}")
-    profile = default_registry().build(PolicyConfig(node_policy=settings.node_policy, seed=settings.seed,
-                                                    typical=TypicalPods.from_workload(p.request for p in pods)))
-    progress = Progress(TextColumn("[bold]training-backfill[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    profile = _profile(settings.node_policy, settings.seed, pods)
+    progress, tick = _progress("training-backfill", err, quiet)
     with progress:
-        tasks: dict[str, Any] = {}
-
-        def tick(label: str, done: int, total: int) -> None:
-            if label not in tasks:
-                tasks[label] = progress.add_task(label, total=total)
-            progress.update(tasks[label], completed=done, total=total)
-
         comparison = run_comparison(catalog, nodes, pods, profile, settings, progress=tick)
     report = write_backfill_report(comparison, out_dir / "report.html")
     figures = comparison.figures() | {"report": str(report)}
-    return figures, report, comparison_rows(comparison)
+    return ScenarioOutput(figures, report, comparison_rows(comparison), ("no backfill", "backfill"),
+                          f"training-backfill: {figures['nodes']} nodes, {figures['gpus']} GPUs, "
+                          f"{settings.days:g} day(s)",
+                          f"allocation gain: {figures['allocation_gain_points']} points; normal-pod wait change: "
+                          f"p50 {figures['normal_wait_p50_change_pct']} %, "
+                          f"p95 {figures['normal_wait_p95_change_pct']} %")
 
 
-def print_comparison(out: Console, title: str, rows: list[tuple[str, str, str]], figures: dict[str, Any]) -> None:
-    table = Table(title=title)
+def run_tidal_scenario(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path,
+                       err: Console, quiet: bool) -> ScenarioOutput:
+    from gpuplane.report.tidal import comparison_rows, headline_rows, write_tidal_report
+    from gpuplane.sim.tidal import TidalScenario, run_tidal_comparison
+
+    assert isinstance(settings, TidalScenario)
+    profile = _profile(settings.node_policy, settings.seed, None)
+    progress, tick = _progress("tidal", err, quiet)
+    with progress:
+        comparison = run_tidal_comparison(default_catalog(), settings, profile, progress=tick)
+    report = write_tidal_report(comparison, out_dir / "report.html")
+    figures = comparison.figures() | {"report": str(report)}
+    rows = comparison_rows(comparison) + [(label, "", value) for label, value in headline_rows(comparison)]
+    return ScenarioOutput(figures, report, rows, ("baseline", "tidal"),
+                          f"tidal: {settings.inference_nodes} inference + {settings.training_nodes} training nodes, "
+                          f"{settings.days:g} day(s)",
+                          f"night conversion {figures['night_conversion_pct']} %, utilisation gain "
+                          f"{figures['utilisation_gain_points']} points, SLO minutes added "
+                          f"{figures['slo_violation_minutes_added_by_tidal']}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioKind:
+    model: type[BaseModel]
+    run: Callable[[BaseModel, str, Path | None, Path, Console, bool], ScenarioOutput]
+
+
+def scenario_kinds() -> dict[str, ScenarioKind]:
+    from gpuplane.sim.tidal import TidalScenario
+
+    return {"training-backfill": ScenarioKind(BackfillScenario, run_training_backfill),
+            "tidal": ScenarioKind(TidalScenario, run_tidal_scenario)}
+
+
+def print_output(out: Console, output: ScenarioOutput) -> None:
+    table = Table(title=output.title)
     table.add_column("")
-    table.add_column("no backfill", justify="right")
-    table.add_column("backfill", justify="right")
-    for label, a, b in rows:
+    table.add_column(output.columns[0], justify="right")
+    table.add_column(output.columns[1], justify="right")
+    for label, a, b in output.rows:
         table.add_row(label, a, b)
     out.print(table)
-    out.print(f"allocation gain: {figures['allocation_gain_points']} points; normal-pod wait change: "
-              f"p50 {figures['normal_wait_p50_change_pct']} %, p95 {figures['normal_wait_p95_change_pct']} %")
+    out.print(output.summary)

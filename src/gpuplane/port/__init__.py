@@ -2,6 +2,7 @@
 
 from gpuplane.port.clock import Clock, Timer, WallClock
 from gpuplane.port.cluster import (
+    DELETION_COST,
     ClusterEvent,
     ClusterPort,
     EventKind,
@@ -14,6 +15,6 @@ from gpuplane.port.cluster import (
 from gpuplane.port.status import Code, Status, aggregate_reasons
 
 __all__ = [
-    "Clock", "ClusterEvent", "ClusterPort", "Code", "EventKind", "Handler", "NodeInfo", "PodInfo", "PodPhase",
-    "Status", "Timer", "Unsubscribe", "WallClock", "aggregate_reasons",
+    "DELETION_COST", "Clock", "ClusterEvent", "ClusterPort", "Code", "EventKind", "Handler", "NodeInfo", "PodInfo",
+    "PodPhase", "Status", "Timer", "Unsubscribe", "WallClock", "aggregate_reasons",
 ]

@@ -50,6 +50,9 @@ class NodeInfo:
         return self.spec.name
 
 
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
 class EventKind(enum.Enum):
     NODE_ADDED = "NodeAdded"
     NODE_UPDATED = "NodeUpdated"
@@ -107,7 +110,14 @@ class ClusterPort(Protocol):
         """Give up on a pending pod: it turns FAILED with `reason` (a gang that timed out, say)."""
         ...
 
-    def scale(self, workload: str, replicas: int) -> Status: ...
+    def scale(self, workload: str, replicas: int) -> Status:
+        """Resize a workload. Scale-down removes pending pods first, then the lowest
+        `controller.kubernetes.io/pod-deletion-cost`, then the newest (the ReplicaSet ranking, in short)."""
+        ...
+
+    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
+        """Patch a pod's annotations; a None value removes that key."""
+        ...
 
     def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
                    taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,

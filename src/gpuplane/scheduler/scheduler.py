@@ -135,6 +135,8 @@ class Scheduler:
         self._gangs: dict[str, _GangWait] = {}
         self._quota_waiting: dict[str, dict[str, QueuedPod]] = {}
         self._committing: Nomination | None = None
+        self._terminating: set[str] = set()
+        """Pods the world is already terminating: never victims (they are leaving; their capacity is not)."""
         self._backfill_classes = frozenset(c.name for c in self.rules.classes if c.backfill)
         self._backfill_priority = max((c.value for c in self.rules.classes if c.backfill), default=None)
         self.shadow: ClusterState | None = None
@@ -147,9 +149,12 @@ class Scheduler:
         specs = [info.spec for info in self.port.list_nodes()]
         state = ClusterState(self.catalog, specs, self.pools)
         self.shadow = ClusterState(self.catalog, specs, self.pools) if self._backfill_classes else None
+        self._terminating = set()
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
                 state.place(pod.request, pod.assignment)
+                if pod.phase is PodPhase.TERMINATING:
+                    self._terminating.add(pod.name)
                 if self.shadow is not None and not self.is_backfill(pod.request):
                     self.shadow.place(pod.request, pod.assignment)
                 self._started[pod.name] = pod.bound_at if pod.bound_at is not None else self.now()
@@ -200,7 +205,10 @@ class Scheduler:
         elif kind is EventKind.POD_BOUND and event.pod is not None:
             self._started[event.pod.name] = event.time
             self._on_bound(event.pod)
+        elif kind is EventKind.POD_TERMINATING and event.pod is not None:
+            self._terminating.add(event.pod.name)
         elif kind in (EventKind.POD_DELETED, EventKind.POD_FAILED) and event.pod is not None:
+            self._terminating.discard(event.pod.name)
             self._on_gone(event.pod)
         elif kind is EventKind.NODE_ADDED and event.node is not None:
             self.state.add_node(event.node.spec)
@@ -407,7 +415,8 @@ class Scheduler:
         """Release the fewest backfill pods on `node` that let `assignment` fit; None if they cannot."""
         state = self.state
         cards = {share.card for share in assignment.cards}
-        names = [n for n in state.node_pods[node] if self.is_backfill(state.bindings[n].request)]
+        names = [n for n in state.node_pods[node]
+                 if self.is_backfill(state.bindings[n].request) and n not in self._terminating]
 
         def order(name: str) -> tuple[bool, int, str]:
             binding = state.bindings[name]
@@ -484,6 +493,10 @@ class Scheduler:
             other_quota = in_quota & (queue_of != own)
             # Another queue's pods: only what it borrows, taken by priority, or by a queue owed its minimum.
             eligible = np.where(other_quota, borrowing[queue_of] & (lower | owed), lower)
+        leaving = [table.row_of[name][0] for name in self._terminating if name in table.row_of]
+        if leaving:
+            eligible = eligible.copy()
+            eligible[leaving] = False
         budgets = self.rules.min_available
         available: dict[str, int] = {}
         if budgets:
@@ -585,8 +598,8 @@ class Scheduler:
         if not gangs:
             return []
         chosen = {b.request.name for b in victims}
-        others = [name for name, b in self.state.bindings.items()
-                  if b.request.gang in gangs and name not in chosen and name not in self._nominated]
+        others = [name for name, b in self.state.bindings.items() if b.request.gang in gangs and name not in chosen
+                  and name not in self._nominated and name not in self._terminating]
         return [self._release(name) for name in others]
 
     def _cancel_nomination(self, nomination: Nomination, heir: Nomination | None = None) -> None:

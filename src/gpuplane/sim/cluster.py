@@ -12,7 +12,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, NodeSpecError, PodRequest, PoolConfig, Taint
-from gpuplane.port import ClusterEvent, EventKind, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
+from gpuplane.port import (
+    DELETION_COST,
+    ClusterEvent,
+    EventKind,
+    Handler,
+    NodeInfo,
+    PodInfo,
+    PodPhase,
+    Status,
+    Unsubscribe,
+)
 from gpuplane.sim.engine import EventLoop
 
 Admit = Callable[[PodRequest], "PodRequest | str"]
@@ -27,6 +37,11 @@ class Workload:
     template: PodRequest
     replicas: int
     next_index: int = 0
+
+
+def _deletion_cost(info: PodInfo) -> int:
+    value = dict(info.annotations).get(DELETION_COST)
+    return int(value) if value is not None else 0
 
 
 def _merge(pairs: tuple[tuple[str, str], ...], changes: Mapping[str, str | None]) -> tuple[tuple[str, str], ...]:
@@ -201,12 +216,27 @@ class SimCluster:
             request = replace(spec.template, name=name, workload=workload, instance=index)
             members.append(name)
             self.create_pod(request)
-        # Scale down removes pending pods first, then the newest (Kubernetes' ReplicaSet ranking, simplified).
-        while len(members) > replicas:
-            pending = [m for m in members if self._pods[m].phase is PodPhase.PENDING]
-            victim = pending[-1] if pending else members[-1]
-            self.delete_pod(victim)
+        # Scale down removes pending pods first, then the lowest deletion cost, then the newest (Kubernetes'
+        # ReplicaSet ranking, in short).
+        if len(members) > replicas:
+            ranked = sorted(range(len(members)), key=lambda i: (
+                self._pods[members[i]].phase is not PodPhase.PENDING, _deletion_cost(self._pods[members[i]]), -i))
+            for victim in [members[i] for i in ranked[: len(members) - replicas]]:
+                self.delete_pod(victim)
         spec.replicas = replicas
+        return Status.success()
+
+    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
+        info = self._pods.get(pod)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        cost = annotations.get(DELETION_COST)
+        if cost is not None:
+            try:
+                int(cost)
+            except ValueError:
+                return Status.error(f"invalid: {DELETION_COST} must be an int32, got {cost!r}")
+        self._pods[pod] = replace(info, annotations=_merge(info.annotations, annotations))
         return Status.success()
 
     # ------------------------------------------------------------------ nodes
