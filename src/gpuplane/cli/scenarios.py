@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Se
         if key not in model.model_fields:
             known = ", ".join(sorted(model.model_fields))
             raise ScenarioError(f"--set {key}: no such scenario field (fields: {known})")
-        update[key] = value.strip()
+        update[key] = _parse_value(value.strip())
     update |= {k: v for k, v in explicit.items() if v is not None}
     try:
         return model.model_validate(update)
@@ -46,6 +47,15 @@ def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Se
             raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
         raise ScenarioError(f"scenario field {where}: {first['msg']}" if where else f"scenario: {first['msg']}") \
             from None
+
+
+def _parse_value(text: str) -> Any:
+    """A `--set` value: JSON when it parses (numbers, booleans, lists such as [1,2]), else the text itself
+    (times like 22:30 and names stay strings; pydantic converts and validates)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,9 @@ class DrainOrder(enum.Enum):
 
 def drain_costs(pods_by_node: Mapping[str, Sequence[str]], removable: Iterable[str], order: DrainOrder,
                 rng: np.random.Generator | None = None) -> dict[str, int]:
-    """pod-deletion-cost per removable pod (lower goes first) for `order`; NEWEST writes no costs."""
+    """pod-deletion-cost per removable pod (lower goes first) for `order`; NEWEST writes no costs.
+
+    FEWEST_INSTANCES gives every pod of a node the node's rank by (pods on the node, node name)."""
     candidates = set(removable)
     if order is DrainOrder.NEWEST:
         return {}
@@ -60,7 +62,11 @@ def drain_costs(pods_by_node: Mapping[str, Sequence[str]], removable: Iterable[s
         generator = rng if rng is not None else np.random.default_rng(0)
         names = sorted(candidates)
         return {name: int(v) for name, v in zip(names, generator.permutation(len(names)), strict=True)}
-    return {pod: len(pods) for pods in pods_by_node.values() for pod in pods if pod in candidates}
+    # One cost per node, by (pods on it, name): pods of a node go together, fewest-pod nodes first, and
+    # nodes with equal counts do not interleave (they would empty none).
+    holding = [node for node, pods in pods_by_node.items() if candidates.intersection(pods)]
+    ranked = sorted(holding, key=lambda node: (len(pods_by_node[node]), node))
+    return {pod: rank for rank, node in enumerate(ranked) for pod in pods_by_node[node] if pod in candidates}
 
 
 def nodes_emptied(pods_by_node: Mapping[str, Sequence[str]], removal_order: Sequence[str], count: int) -> int:
@@ -167,13 +173,15 @@ class TidalController:
             self._scale(spec, self._target(spec, t, window, phase), by_workload, pods)
         if not self.lend:
             return
+        reclaimed = False
         if self.ledger:
             short = self._shortfall_milli(t, nodes)
             if phase == "day":
                 self._reclaim(list(self.ledger), early=False)
             elif short > 0:
                 self._reclaim(self._cheapest_loans(short, nodes), early=True)
-        if phase == "lend" and window is not None:
+                reclaimed = True
+        if phase == "lend" and window is not None and not reclaimed:
             room = -self._shortfall_milli(t, nodes)
             if room > 0:
                 self._lend_empty(window, t, room)

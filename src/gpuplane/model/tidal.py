@@ -139,6 +139,9 @@ class TidalPolicy(BaseModel):
                 if replicas < spec.min_replicas:
                     raise ValueError(f"windows.{i}.night_replicas.{service}: {replicas} would drop {service} under "
                                      f"its minimum of {spec.min_replicas}")
+                if replicas > spec.max_replicas:
+                    raise ValueError(f"windows.{i}.night_replicas.{service}: {replicas} is above {service}'s "
+                                     f"maximum of {spec.max_replicas}")
         spans = sorted((w.start_s, (w.end_s - w.start_s) % DAY_S, w.name) for w in self.windows)
         for (a_start, a_len, a), (b_start, _, b) in itertools.pairwise(spans):
             if b_start < a_start + a_len:

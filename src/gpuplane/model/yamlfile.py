@@ -25,4 +25,4 @@ def load_yaml_model(path: str | Path, schema: type[M], error: type[GpuplaneError
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise error(f"{path}: {where}: {first['msg']}") from None
+        raise error(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None

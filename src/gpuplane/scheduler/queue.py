@@ -133,8 +133,9 @@ class SchedulingQueue:
             self._requeue(entry)
         return len(moved)
 
-    def activate_for_node(self, state: ClusterState, node: int) -> int:
-        """Move back the parked pods that `node`'s free capacity could hold, in queue order.
+    def activate_for_node(self, state: ClusterState, node: int, *, above_priority: int | None = None) -> int:
+        """Move back the parked pods that `node`'s free capacity could hold, in queue order (only pods of
+        priority above `above_priority` when given).
 
         A vectorised bound per shape picks the shapes worth a look; then the heads of those shapes are
         taken in (priority, arrival) order against a running budget of the node's free capacity, and a
@@ -153,7 +154,9 @@ class SchedulingQueue:
         budget = _Budget(state, node)
         moved = 0
         while heads:
-            _, _, group = heapq.heappop(heads)
+            neg_priority, _, group = heapq.heappop(heads)
+            if above_priority is not None and -neg_priority <= above_priority:
+                break  # heads come out by priority: every later one is lower
             if not budget.take(self, group):
                 continue
             name = heapq.heappop(self._group_heaps[group])[3]

@@ -119,6 +119,9 @@ class Scheduler:
         self.pools = pools
         self.rules = rules or SchedulingRules()
         self.framework = Framework(profile, np.random.default_rng(seed))
+        self._backfill_framework = Framework(profile, np.random.default_rng([seed, 1]))
+        """Backfill pods draw their tie-breaks from their own stream, so the pods above them decide exactly as
+        they would without any backfill (the same random draws on the same shadow state)."""
         self.preemption = Preemption(self.framework, max_candidates=self.rules.max_candidates,
                                      order=self.rules.victim_order)
         self._last_retry = -math.inf
@@ -245,8 +248,12 @@ class Scheduler:
         self._assumed.pop(name, None)
         binding = self.state.bindings.get(name)
         if binding is not None:
+            in_shadow = self.shadow is not None and name in self.shadow.bindings
             self._release(name)
             self.queue.activate_for_node(self.state, binding.node)
+            if in_shadow and self.shadow is not None and self._backfill_priority is not None:
+                # Pods above the backfill see the node as if backfill were not there: wake those that fit now.
+                self.queue.activate_for_node(self.shadow, binding.node, above_priority=self._backfill_priority)
             if request.queue is not None:
                 self._wake_queue(request.queue)
         waiting = self._victim_of.pop(name, None)
@@ -394,8 +401,11 @@ class Scheduler:
             else:
                 within = within & held
         shadow = self.shadow
+        if self.is_backfill(pod):
+            return self._backfill_framework.schedule(pod, self.state, within=within, cycle=cycle,
+                                                     within_reason=reason, within_resolvable=resolvable), []
         if (shadow is None or self._backfill_priority is None or pod.priority <= self._backfill_priority
-                or not pod.preempts or not self.rules.preemption or self.is_backfill(pod)
+                or not pod.preempts or not self.rules.preemption
                 or len(shadow.bindings) == len(self.state.bindings)):
             return self.framework.schedule(pod, self.state, within=within, cycle=cycle, within_reason=reason,
                                            within_resolvable=resolvable), []

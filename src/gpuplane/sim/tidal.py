@@ -129,8 +129,9 @@ class TidalScenario(BaseModel):
             raise ValueError(f"job_work_hours must be 0 < low <= high, got {self.job_work_hours}")
         if any(n < 1 for n in self.job_nodes):
             raise ValueError("job_nodes: every gang needs at least one node")
-        if self.training_nodes and max(self.job_nodes) > self.training_nodes + self.tidal_nodes:
-            raise ValueError(f"job_nodes: a job of {max(self.job_nodes)} nodes can never run")
+        if self.training_nodes and max(self.job_nodes) > self.training_nodes:
+            raise ValueError(f"job_nodes: a job of {max(self.job_nodes)} nodes can never run on the "
+                             f"{self.training_nodes} training nodes of the baseline (which lends nothing)")
         if self.training_nodes == 0 and max(self.job_nodes) > self.tidal_nodes:
             raise ValueError(f"job_nodes: a job of {max(self.job_nodes)} nodes can never run")
         self.window()  # raises on a bad window
@@ -577,10 +578,10 @@ def run_tidal(catalog: Catalog, scenario: TidalScenario, profile: Profile, *, le
                 if job is not None and job.started >= 0:
                     gpus = binding.assignment.gpu_milli / MILLI_PER_CARD
                     busy += gpus * scenario.training_util
-                    if now >= warmup:
-                        run.training_gpu_hours += gpus * dt / 3600.0
-                        if binding.assignment.node in lent:
-                            run.training_gpu_hours_on_lent += gpus * dt / 3600.0
+                    part = max(0.0, now - max(now - dt, warmup))
+                    run.training_gpu_hours += gpus * part / 3600.0
+                    if binding.assignment.node in lent:
+                        run.training_gpu_hours_on_lent += gpus * part / 3600.0
         for s in services:
             load = load_model.load(s.name, now)
             replicas = served.get(s.name, 0)
@@ -600,9 +601,9 @@ def run_tidal(catalog: Catalog, scenario: TidalScenario, profile: Profile, *, le
         run.nodes_training.append(scenario.training_nodes + len(lent))
         run.lent_gpus.append(lent_gpus)
         run.night_mask.append(window.phase(now) == "lend")
-        if now >= warmup:
-            run.inference_gpu_hours += (inference_gpus - lent_gpus) * dt / 3600.0
-            run.lent_gpu_hours += lent_gpus * dt / 3600.0
+        measured = max(0.0, now - max(now - dt, warmup))  # only the part of the interval after the warm-up
+        run.inference_gpu_hours += (inference_gpus - lent_gpus) * measured / 3600.0
+        run.lent_gpu_hours += lent_gpus * measured / 3600.0
         if progress is not None:
             progress(int(now), int(horizon))
         if now + scenario.sample_every_s <= horizon:
