@@ -114,17 +114,26 @@ class Preemption:
         eligible = rules.eligible[: table.count] & table.live[: table.count]
         if not eligible.any():
             return PreemptionResult(None, "no pod may be preempted for it")
-        levels: list[BoolArray] = [eligible]
+        levels: list[tuple[BoolArray, BoolArray | None]] = [(eligible, None)]
         if self.order is VictimOrder.LOWEST_PRIORITY_FIRST:
             # Try the lowest priorities alone first: a plan found with victims up to priority p beats any
-            # plan that needs a victim above p, however few victims it takes.
+            # plan that needs a victim above p, however few victims it takes. A level only tries nodes that
+            # hold a pod of that very priority: the others were tried, with the same victims, a level below.
             priority = table.priority[: table.count]
-            distinct = np.unique(priority[eligible])
-            levels = [eligible & (priority <= level) for level in distinct.tolist()]
+            distinct = np.unique(priority[eligible]).tolist()
+            levels = []
+            for k, level in enumerate(distinct):
+                fresh = None
+                if k:
+                    rows = np.flatnonzero(eligible & (priority == level))
+                    fresh = np.bincount(table.node[rows], minlength=state.size)[: state.size] > 0
+                levels.append((eligible & (priority <= level), fresh))
         reason = "no node would fit it even with every eligible pod evicted"
         screened_total = 0
-        for allowed in levels:
+        for allowed, fresh in levels:
             screened = self._screen(pod, state, allowed, diagnosis, within)
+            if fresh is not None:
+                screened &= fresh
             candidates = np.flatnonzero(screened)
             if not len(candidates):
                 continue

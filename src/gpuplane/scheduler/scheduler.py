@@ -376,6 +376,10 @@ class Scheduler:
         if not self._may_preempt(pod, decision):
             return decision
         self.stats.attempts += 1
+        if self._past_backfill(pod):
+            done = self._preempt_past_backfill(entry, decision)
+            if done is not None:
+                return done
         result = self.preemption.plan(pod, self.state, self._victim_rules(pod, []), decision.diagnosis,
                                       within=self._held(pod))
         if result.plan is None:
@@ -404,9 +408,7 @@ class Scheduler:
         if self.is_backfill(pod):
             return self._backfill_framework.schedule(pod, self.state, within=within, cycle=cycle,
                                                      within_reason=reason, within_resolvable=resolvable), []
-        if (shadow is None or self._backfill_priority is None or pod.priority <= self._backfill_priority
-                or not pod.preempts or not self.rules.preemption
-                or len(shadow.bindings) == len(self.state.bindings)):
+        if shadow is None or not self._past_backfill(pod):
             return self.framework.schedule(pod, self.state, within=within, cycle=cycle, within_reason=reason,
                                            within_resolvable=resolvable), []
         decision = self.framework.schedule(pod, shadow, within=within, cycle=cycle, within_reason=reason,
@@ -420,6 +422,35 @@ class Scheduler:
         if cleared is None:
             return self.framework.schedule(pod, self.state, within=within, cycle=CycleState()), []
         return decision, cleared
+
+    def _past_backfill(self, pod: PodRequest) -> bool:
+        """Whether `pod` decides on the shadow (the cache without backfill) and pushes backfill aside."""
+        shadow = self.shadow
+        return (shadow is not None and self._backfill_priority is not None and pod.priority > self._backfill_priority
+                and pod.preempts and self.rules.preemption and not self.is_backfill(pod)
+                and len(shadow.bindings) != len(self.state.bindings))
+
+    def _preempt_past_backfill(self, entry: QueuedPod, decision: Decision) -> Decision | None:
+        """Preempt as if backfill were not there: victims chosen on the shadow among the pods above the
+        backfill, then the backfill in the way of the placement. None: no such plan (try the whole cache)."""
+        pod = entry.request
+        assert self.shadow is not None
+        result = self.preemption.plan(pod, self.shadow, self._victim_rules(pod, [], self.shadow),
+                                      decision.diagnosis, within=self._held(pod))
+        plan = result.plan
+        if plan is None or plan.decision.assignment is None:
+            return None
+        victims = [self._release(v.pod) for v in plan.victims]
+        assignment = plan.decision.assignment
+        cleared = [] if self.state.check(assignment, pod) is None else self._clear_backfill(pod, plan.node,
+                                                                                            assignment)
+        if cleared is None:
+            for binding in reversed(victims):
+                self._place(binding.request, binding.assignment, check=False)
+            return None
+        self._place(pod, assignment)
+        return self._commit([(entry, plan.decision)], [plan, self._plan(pod, plan.decision, cleared)],
+                            victims + cleared)
 
     def _clear_backfill(self, pod: PodRequest, node: int, assignment: Assignment) -> list[Binding] | None:
         """Release the fewest backfill pods on `node` that let `assignment` fit; None if they cannot."""
@@ -472,9 +503,12 @@ class Scheduler:
                 and len(self.state.bindings) > 0)
 
     # ------------------------------------------------------------------ preemption
-    def _victim_rules(self, pod: PodRequest, chosen: Sequence[Binding]) -> VictimRules:
-        """Who `pod` may evict. `chosen`: victims already picked in the same trial (a gang's others)."""
-        table = self.state.pod_table
+    def _victim_rules(self, pod: PodRequest, chosen: Sequence[Binding],
+                      state: ClusterState | None = None) -> VictimRules:
+        """Who `pod` may evict in `state` (the cache by default). `chosen`: victims already picked in the same
+        trial (a gang's others)."""
+        state = self.state if state is None else state
+        table = state.pod_table
         rows = table.pods
         count = rows.count
         priority = rows.priority[:count]
@@ -510,7 +544,7 @@ class Scheduler:
         budgets = self.rules.min_available
         available: dict[str, int] = {}
         if budgets:
-            for binding in self.state.bindings.values():
+            for binding in state.bindings.values():
                 workload = binding.request.workload
                 if workload is not None and workload in budgets:
                     available[workload] = available.get(workload, 0) + 1
