@@ -1,8 +1,8 @@
 """The training-backfill scenario: normal pods with a diurnal arrival rate, with and without low-priority backfill.
 
 Normal pods take the trace's shapes (openb), arrive as a Poisson process whose rate follows the day
-(thinning) and run for the trace's lifetimes; pods of online QoS get the `online` class, the rest
-`training`. The backfill run adds a data-production pipeline: it keeps `batch_backlog` low-priority batch
+(thinning) and run for the trace's lifetimes; they are `training` pods (with `online_share_of_ls`, pods of
+online QoS get the `online` class and preempt training pods). The backfill run adds a data-production pipeline: it keeps `batch_backlog` low-priority batch
 pods (class `batch-low`, the trace's one-card-or-less shapes) pending at all times, so they soak up every
 idle card and fragment; the scheduler preempts them at once (grace 0 s) when a normal pod needs the room.
 A preempted pod (of any class) is resubmitted with the work it still has to do, and the work since its last
@@ -68,7 +68,8 @@ class BackfillScenario(BaseModel):
     peak_hour: float = Field(default=15.0, ge=0, lt=24)
     min_duration_s: float = Field(default=60.0, gt=0)
     max_duration_s: float = Field(default=14400.0, gt=0)
-    online_share_of_ls: bool = Field(default=True, description="trace pods of LS QoS run as class online")
+    online_share_of_ls: bool = Field(default=False, description="trace pods of LS QoS run as class online "
+                                     "(which preempts training); off: a training cluster, every normal pod training")
     batch_backlog: int = Field(default=64, ge=1, description="low-priority pods kept pending (backfill run)")
     batch_mean_duration_s: float = Field(default=3600.0, gt=0)
     batch_checkpoint_every_s: float = Field(default=600.0, ge=0, description="0: batch pods never checkpoint")
