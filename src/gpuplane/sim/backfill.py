@@ -2,9 +2,10 @@
 
 Normal pods take the trace's shapes (openb), arrive as a Poisson process whose rate follows the day
 (thinning) and run for the trace's lifetimes; they are `training` pods (with `online_share_of_ls`, pods of
-online QoS get the `online` class and preempt training pods). The backfill run adds a data-production pipeline: it keeps `batch_backlog` low-priority batch
-pods (class `batch-low`, the trace's one-card-or-less shapes) pending at all times, so they soak up every
-idle card and fragment; the scheduler preempts them at once (grace 0 s) when a normal pod needs the room.
+online QoS get the `online` class and preempt training pods). The backfill run adds a data-production
+pipeline: it keeps `batch_backlog` low-priority batch pods (class `batch-low`, the trace's
+one-card-or-less shapes) pending at all times, so they soak up every idle card and fragment; the scheduler
+preempts them at once (grace 0 s) when a normal pod needs the room.
 A preempted pod (of any class) is resubmitted with the work it still has to do, and the work since its last
 checkpoint is counted as lost.
 
