@@ -17,7 +17,8 @@ from gpuplane.model import GpuplaneError, default_catalog
 from gpuplane.scheduler import PolicyConfig, Profile, default_registry
 from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods, resolve_trace
-from gpuplane.sim.backfill import BackfillScenario, ScenarioError, read_scenario_file, run_comparison
+from gpuplane.sim.backfill import BackfillScenario, run_comparison
+from gpuplane.sim.scenario_file import ScenarioError, read_scenario_file
 
 SCENARIOS = ("training-backfill", "tidal")
 

@@ -20,8 +20,9 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from gpuplane.model.errors import GpuplaneError
 from gpuplane.model.yamlfile import load_yaml_model
@@ -45,6 +46,15 @@ def parse_clock(value: str) -> float:
     return float(hours * 3600 + minutes * 60 + seconds)
 
 
+def _valid_clock(value: str) -> str:
+    parse_clock(value)
+    return value
+
+
+ClockTime = Annotated[str, AfterValidator(_valid_clock)]
+"""A time of day "HH:MM" (or "HH:MM:SS"), validated."""
+
+
 class TidalService(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,16 +76,10 @@ class TidalWindow(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
-    shrink_at: str
-    lend_from: str
-    reclaim_at: str
+    shrink_at: ClockTime
+    lend_from: ClockTime
+    reclaim_at: ClockTime
     night_replicas: dict[str, int] = Field(default_factory=dict)
-
-    @field_validator("shrink_at", "lend_from", "reclaim_at")
-    @classmethod
-    def _clock(cls, value: str) -> str:
-        parse_clock(value)
-        return value
 
     @model_validator(mode="after")
     def _order(self) -> TidalWindow:

@@ -839,24 +839,12 @@ class Scheduler:
         need = sum(e.request.gpu_milli_total for e in members)
         capacity = self.state.total_gpu_milli()
         if need > capacity:
-            del self._gangs[gang]
-            reason = (f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than the whole cluster's "
-                      f"{capacity / MILLI_PER_CARD:g}")
-            self.stats.gangs_failed += 1
-            for member in members:
-                self.port.fail_pod(member.request.name, reason)
-            return [Outcome(e.request, Decision(Status.unschedulable(reason, resolvable=False)), e.attempts,
-                            now - e.enqueued_at) for e in members]
+            return self._fail_gang(gang, members, f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than "
+                                                  f"the whole cluster's {capacity / MILLI_PER_CARD:g}")
         queue = self.rules.quotas.get(members[0].request.queue) if members[0].request.queue is not None else None
         if queue is not None and queue.max_milli is not None and need > queue.max_milli:
-            del self._gangs[gang]
-            reason = (f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than queue {queue.name}'s maximum "
-                      f"of {queue.max_gpus:g}")
-            self.stats.gangs_failed += 1
-            for member in members:
-                self.port.fail_pod(member.request.name, reason)
-            return [Outcome(e.request, Decision(Status.unschedulable(reason, resolvable=False)), e.attempts,
-                            now - e.enqueued_at) for e in members]
+            return self._fail_gang(gang, members, f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than "
+                                                  f"queue {queue.name}'s maximum of {queue.max_gpus:g}")
         refusal = self._quota_refusal(members[0].request, need)
         if refusal is not None:
             del self._gangs[gang]
@@ -878,6 +866,16 @@ class Scheduler:
         for member in members:
             self.queue.park(member)
         return [Outcome(e.request, decision, e.attempts, now - e.enqueued_at) for e in members]
+
+    def _fail_gang(self, gang: str, members: Sequence[QueuedPod], reason: str) -> list[Outcome]:
+        """A gang that can never run: every member fails through the port with `reason`."""
+        del self._gangs[gang]
+        self.stats.gangs_failed += 1
+        now = self.now()
+        for member in members:
+            self.port.fail_pod(member.request.name, reason)
+        return [Outcome(e.request, Decision(Status.unschedulable(reason, resolvable=False)), e.attempts,
+                        now - e.enqueued_at) for e in members]
 
     def _gang_siblings(self, gang: str) -> list[str]:
         return [e.request.name for e in self.queue.entries() if e.request.gang == gang]

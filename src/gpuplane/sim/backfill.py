@@ -21,14 +21,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gpuplane.model import MILLI_PER_CARD, Catalog, ClusterState, GpuplaneError, NodeSpec, PodRequest, QoS
+from gpuplane.model import MILLI_PER_CARD, Catalog, ClusterState, NodeSpec, PodRequest, QoS
 from gpuplane.model.priority import (
     BATCH_LOW,
     ONLINE,
@@ -45,14 +43,11 @@ from gpuplane.scheduler.preemption import VictimOrder
 from gpuplane.scheduler.scheduler import SchedulingRules
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop, _Entry
+from gpuplane.sim.scenario_file import ScenarioError, load_scenario_model
 from gpuplane.sim.trace import TracePod
 
 Progress = Callable[[int, int], None]
 DAY_S = 86400.0
-
-
-class ScenarioError(GpuplaneError):
-    pass
 
 
 class BackfillScenario(BaseModel):
@@ -101,29 +96,9 @@ class BackfillScenario(BaseModel):
         ])
 
 
-def read_scenario_file(path: str | Path) -> dict[str, Any]:
-    """The fields a YAML scenario file sets (not validated yet: flags may still change them). An empty file
-    sets nothing."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"{path}: {exc}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ScenarioError(f"{path}: a scenario file is a mapping of field: value, got {type(raw).__name__}")
-    return {str(k): v for k, v in raw.items()}
-
-
 def load_scenario(path: str | Path, **overrides: object) -> BackfillScenario:
     """The scenario in `path` with `overrides` applied, validated together; errors name the file and field."""
-    fields = read_scenario_file(path) | {k: v for k, v in overrides.items() if v is not None}
-    try:
-        return BackfillScenario.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ScenarioError(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None
+    return load_scenario_model(path, BackfillScenario, overrides, ScenarioError)
 
 
 @dataclass(slots=True)

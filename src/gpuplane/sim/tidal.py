@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpuplane.controllers import (
     LOAN_TAINT,
@@ -46,7 +45,6 @@ from gpuplane.model import (
     MILLI_PER_CARD,
     Catalog,
     Fraction,
-    GpuplaneError,
     NodeSpec,
     PodRequest,
     QoS,
@@ -54,17 +52,18 @@ from gpuplane.model import (
     WholeCards,
 )
 from gpuplane.model.priority import ONLINE, TRAINING, default_priority_classes
-from gpuplane.model.tidal import DAY_S, TidalPolicy, TidalService, TidalWindow, parse_clock
+from gpuplane.model.tidal import DAY_S, ClockTime, TidalPolicy, TidalService, TidalWindow
 from gpuplane.port import ClusterEvent, EventKind, PodPhase
 from gpuplane.scheduler import Admission, Outcome, Profile, Scheduler, SchedulingRules
 from gpuplane.scheduler.scheduler import NETWORK_BLOCK_LABEL
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop, _Entry
+from gpuplane.sim.scenario_file import ScenarioError, load_scenario_model, read_scenario_file
 
 Progress = Callable[[int, int], None]
 
 
-class TidalScenarioError(GpuplaneError):
+class TidalScenarioError(ScenarioError):
     pass
 
 
@@ -96,9 +95,9 @@ class TidalScenario(BaseModel):
     day_floor_share: float = Field(default=0.5, ge=0, le=1, description="day floor, share of peak replicas")
     forecast_margin: float = Field(default=0.1, ge=0)
     forecast_horizon_s: float = Field(default=1800.0, ge=0)
-    shrink_at: str = "22:30"
-    lend_from: str = "23:30"
-    reclaim_at: str = "07:30"
+    shrink_at: ClockTime = "22:30"
+    lend_from: ClockTime = "23:30"
+    reclaim_at: ClockTime = "07:30"
     reclaim_headroom: float = Field(default=0.1, ge=0, lt=1)
     reclaim_grace_s: float = Field(default=120.0, ge=0)
     checkpoint_lead_s: float = Field(default=600.0, ge=0)
@@ -113,12 +112,6 @@ class TidalScenario(BaseModel):
     sample_every_s: float = Field(default=300.0, gt=0)
     node_policy: str = "binpack"
     seed: int = 42
-
-    @field_validator("shrink_at", "lend_from", "reclaim_at")
-    @classmethod
-    def _clock(cls, value: str) -> str:
-        parse_clock(value)
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TidalScenario:
@@ -151,25 +144,11 @@ class TidalScenario(BaseModel):
 
 
 def read_tidal_file(path: str | Path) -> dict[str, Any]:
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise TidalScenarioError(f"{path}: {exc}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise TidalScenarioError(f"{path}: a scenario file is a mapping of field: value, got {type(raw).__name__}")
-    return {str(k): v for k, v in raw.items()}
+    return read_scenario_file(path, TidalScenarioError)
 
 
 def load_tidal_scenario(path: str | Path, **overrides: object) -> TidalScenario:
-    fields = read_tidal_file(path) | {k: v for k, v in overrides.items() if v is not None}
-    try:
-        return TidalScenario.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise TidalScenarioError(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None
+    return load_scenario_model(path, TidalScenario, overrides, TidalScenarioError)
 
 
 # ---------------------------------------------------------------------------------------------- the world
