@@ -13,17 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, ValidationError
-from rich.console import Console
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from gpuplane.cli import scenarios
 from gpuplane.cli.main import app
 from gpuplane.model import NodeSpec, default_catalog
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.preemption import VictimOrder
 from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods
 from gpuplane.sim.backfill import BackfillScenario, ScenarioError, load_scenario, run_comparison
+from scenario_helpers import capture_settings, flat, num, without_wall_time
 
 Figures = dict[str, float | int | str | bool]
 
@@ -60,19 +59,7 @@ def compare(**fields: Any) -> Figures:
     return run_comparison(CATALOG, trace_nodes(), trace_pods(), profile, scenario).figures()
 
 
-def num(figures: Figures, key: str) -> float:
-    value = figures[key]
-    assert isinstance(value, int | float) and not isinstance(value, bool), (key, value)
-    return float(value)
 
-
-def flat(text: str) -> str:
-    """CLI text with all whitespace removed: rich wraps long error lines (and paths) at 80 columns."""
-    return "".join(text.split())
-
-
-def without_wall_time(figures: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in figures.items() if not k.endswith("_wall_s") and k != "report"}
 
 
 @pytest.fixture(scope="module")
@@ -272,16 +259,7 @@ def test_scenario_file_then_set_then_days(tmp_path: Path) -> None:
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch) -> list[BackfillScenario]:
     """Replace the run itself: the CLI's settings are recorded and nothing is simulated."""
-    seen: list[BackfillScenario] = []
-
-    def fake(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
-             quiet: bool) -> scenarios.ScenarioOutput:
-        assert isinstance(settings, BackfillScenario)
-        seen.append(settings)
-        return scenarios.ScenarioOutput({"captured": True}, out_dir / "report.html", [], ("a", "b"), "", "")
-
-    monkeypatch.setattr(scenarios, "run_training_backfill", fake)
-    return seen
+    return capture_settings(monkeypatch, "run_training_backfill", BackfillScenario)
 
 
 PRECEDENCE_CASES = [

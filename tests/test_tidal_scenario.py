@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
-from rich.console import Console
 from typer.testing import CliRunner
 
 import gpuplane.report.tidal as tidal_report
-from gpuplane.cli import scenarios
 from gpuplane.cli.main import app
 from gpuplane.controllers import DrainOrder
 from gpuplane.model import default_catalog
@@ -28,6 +25,7 @@ from gpuplane.report.html import png
 from gpuplane.report.tidal import write_tidal_report
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.sim.tidal import TidalComparison, TidalRun, TidalScenario, run_tidal_comparison
+from scenario_helpers import capture_settings, flat, num, without_wall_time
 
 Figures = dict[str, float | int | str]
 
@@ -62,19 +60,7 @@ def compare(**fields: Any) -> TidalComparison:
     return run_tidal_comparison(CATALOG, scenario, profile)
 
 
-def num(figures: Figures | dict[str, Any], key: str) -> float:
-    value = figures[key]
-    assert isinstance(value, int | float) and not isinstance(value, bool), (key, value)
-    return float(value)
 
-
-def flat(text: str) -> str:
-    """CLI text with all whitespace removed: rich wraps long error lines (and paths) at 80 columns."""
-    return "".join(text.split())
-
-
-def without_wall_time(figures: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in figures.items() if not k.endswith("_wall_s") and k != "report"}
 
 
 def measured_hours(scenario: TidalScenario) -> float:
@@ -421,16 +407,7 @@ def test_scenario_file_then_set_then_days(tmp_path: Path, runs: dict[str, Figure
 @pytest.fixture
 def captured(monkeypatch: pytest.MonkeyPatch) -> list[TidalScenario]:
     """Replace the run itself: the CLI's settings are recorded and nothing is simulated."""
-    seen: list[TidalScenario] = []
-
-    def fake(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
-             quiet: bool) -> scenarios.ScenarioOutput:
-        assert isinstance(settings, TidalScenario)
-        seen.append(settings)
-        return scenarios.ScenarioOutput({"captured": True}, out_dir / "report.html", [], ("a", "b"), "", "")
-
-    monkeypatch.setattr(scenarios, "run_tidal_scenario", fake)
-    return seen
+    return capture_settings(monkeypatch, "run_tidal_scenario", TidalScenario)
 
 
 PRECEDENCE_CASES = [

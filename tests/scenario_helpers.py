@@ -1,0 +1,45 @@
+"""Helpers shared by the scenario tests (training-backfill, tidal)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from pydantic import BaseModel
+from rich.console import Console
+
+from gpuplane.cli import scenarios
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def num(figures: Mapping[str, Any], key: str) -> float:
+    """A figure that must be a number (not a bool)."""
+    value = figures[key]
+    assert isinstance(value, int | float) and not isinstance(value, bool), (key, value)
+    return float(value)
+
+
+def flat(text: str) -> str:
+    """CLI text with all whitespace removed: rich wraps long error lines (and paths) at 80 columns."""
+    return "".join(text.split())
+
+
+def without_wall_time(figures: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in figures.items() if not k.endswith("_wall_s") and k != "report"}
+
+
+def capture_settings(monkeypatch: pytest.MonkeyPatch, runner_name: str, model: type[M]) -> list[M]:
+    """Replace a scenario's run (`scenarios.<runner_name>`): the CLI's settings are recorded, nothing runs."""
+    seen: list[M] = []
+
+    def fake(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
+             quiet: bool) -> scenarios.ScenarioOutput:
+        assert isinstance(settings, model)
+        seen.append(settings)
+        return scenarios.ScenarioOutput({"captured": True}, out_dir / "report.html", [], ("a", "b"), "", "")
+
+    monkeypatch.setattr(scenarios, runner_name, fake)
+    return seen
