@@ -9,8 +9,10 @@ from typing import Any, TypeVar
 import pytest
 from pydantic import BaseModel
 from rich.console import Console
+from typer.testing import CliRunner, Result
 
 from gpuplane.cli import scenarios
+from gpuplane.cli.main import app
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,3 +45,13 @@ def capture_settings(monkeypatch: pytest.MonkeyPatch, runner_name: str, model: t
 
     monkeypatch.setattr(scenarios, runner_name, fake)
     return seen
+
+
+def invoke_scenario(tmp_path: Path, scenario: str, args: list[str], file_text: str | None = None) -> Result:
+    """`gpuplane simulate --scenario NAME --json --out TMP ARGS`, with `file_text` as --scenario-file if given."""
+    command = ["simulate", "--scenario", scenario, "--json", "--out", str(tmp_path), *args]
+    if file_text is not None:
+        path = tmp_path / "s.yaml"
+        path.write_text(file_text)
+        command += ["--scenario-file", str(path)]
+    return CliRunner().invoke(app, command)

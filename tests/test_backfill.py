@@ -22,7 +22,7 @@ from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.preemption import VictimOrder
 from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods
 from gpuplane.sim.backfill import BackfillScenario, ScenarioError, load_scenario, run_comparison
-from scenario_helpers import capture_settings, flat, num, without_wall_time
+from scenario_helpers import capture_settings, flat, invoke_scenario, num, without_wall_time
 
 Figures = dict[str, float | int | str | bool]
 
@@ -289,12 +289,8 @@ PRECEDENCE_CASES = [
 def test_settings_precedence(tmp_path: Path, captured: list[BackfillScenario], file: bool | str, args: list[str],
                              expected: dict[str, Any]) -> None:
     """Defaults, then the YAML file, then --set, then --days/--seed/--node-policy."""
-    command = ["simulate", "--scenario", "training-backfill", "--json", "--out", str(tmp_path), *args]
-    if file:
-        path = tmp_path / "s.yaml"
-        path.write_text(file if isinstance(file, str) else SCENARIO_FILE)
-        command += ["--scenario-file", str(path)]
-    result = runner.invoke(app, command)
+    text = (file if isinstance(file, str) else SCENARIO_FILE) if file else None
+    result = invoke_scenario(tmp_path, "training-backfill", args, text)
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert {k: getattr(settings, k) for k in expected} == expected

@@ -25,7 +25,7 @@ from gpuplane.report.html import png
 from gpuplane.report.tidal import write_tidal_report
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.sim.tidal import TidalComparison, TidalRun, TidalScenario, run_tidal_comparison
-from scenario_helpers import capture_settings, flat, num, without_wall_time
+from scenario_helpers import capture_settings, flat, invoke_scenario, num, without_wall_time
 
 Figures = dict[str, float | int | str]
 
@@ -441,12 +441,8 @@ PRECEDENCE_CASES = [
 def test_settings_precedence(tmp_path: Path, captured: list[TidalScenario], file: bool | str, args: list[str],
                              expected: dict[str, Any]) -> None:
     """Defaults, then the YAML file, then --set, then --days/--seed/--node-policy."""
-    command = ["simulate", "--scenario", "tidal", "--json", "--out", str(tmp_path), *args]
-    if file:
-        path = tmp_path / "s.yaml"
-        path.write_text(file if isinstance(file, str) else SCENARIO_FILE)
-        command += ["--scenario-file", str(path)]
-    result = runner.invoke(app, command)
+    text = (file if isinstance(file, str) else SCENARIO_FILE) if file else None
+    result = invoke_scenario(tmp_path, "tidal", args, text)
     assert result.exit_code == 0, result.output
     (settings,) = captured
     assert {k: getattr(settings, k) for k in expected} == expected
