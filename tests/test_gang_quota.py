@@ -3,7 +3,7 @@ reclaim), driven through the simulated cluster; and the bad input admission and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -800,12 +800,7 @@ def test_load_quotas_reads_a_valid_file(tmp_path: Path) -> None:
     ],
 )
 def test_load_quotas_errors_name_the_file_and_field(tmp_path: Path, text: str, fragment: str) -> None:
-    path = tmp_path / "quotas.yaml"
-    path.write_text(text)
-    with pytest.raises(QuotaError) as raised:
-        load_quotas(path)
-    assert str(raised.value).startswith(f"{path}:")
-    assert fragment in str(raised.value)
+    assert_names_file_and_field(tmp_path / "quotas.yaml", text, fragment, load_quotas, QuotaError)
 
 
 @pytest.mark.parametrize(
@@ -818,10 +813,15 @@ def test_load_quotas_errors_name_the_file_and_field(tmp_path: Path, text: str, f
     ],
 )
 def test_load_priority_classes_errors_name_the_file_and_field(tmp_path: Path, text: str, fragment: str) -> None:
-    path = tmp_path / "classes.yaml"
+    assert_names_file_and_field(tmp_path / "classes.yaml", text, fragment, load_priority_classes, GpuplaneError)
+
+
+def assert_names_file_and_field(path: Path, text: str, fragment: str, load: Callable[[Path], object],
+                                error: type[Exception]) -> None:
+    """Loading `text` from `path` raises `error` whose message starts with the path and holds `fragment`."""
     path.write_text(text)
-    with pytest.raises(GpuplaneError) as raised:
-        load_priority_classes(path)
+    with pytest.raises(error) as raised:
+        load(path)
     assert str(raised.value).startswith(f"{path}:")
     assert fragment in str(raised.value)
 
