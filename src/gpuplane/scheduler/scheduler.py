@@ -69,6 +69,9 @@ class SchedulingRules:
     max_candidates: int = 16
     """Candidate nodes a preemption tries in full, after the vectorised screen."""
     victim_order: VictimOrder = VictimOrder.FEWEST_FIRST
+    flush_parked_every_s: float = 300.0
+    """Every parked pod is tried again this often, whatever woke it or not (kube-scheduler's
+    podMaxInUnschedulablePodsDuration): a safety net for capacity changes the wake-ups miss."""
     retry_preemptors_every_s: float = 60.0
     """Parked pods that may preempt are tried again this often: capacity that lower-priority pods took
     after they were parked frees no node, so no capacity event would wake them (kube-scheduler flushes
@@ -125,6 +128,7 @@ class Scheduler:
         self.preemption = Preemption(self.framework, max_candidates=self.rules.max_candidates,
                                      order=self.rules.victim_order)
         self._last_retry = -math.inf
+        self._last_flush = -math.inf
         self.queue = SchedulingQueue()
         self.stats = PreemptionStats()
         self.on_deferred: Callable[[Outcome], object] | None = None
@@ -183,6 +187,13 @@ class Scheduler:
 
     def close(self) -> None:
         self._unsubscribe()
+
+    def _wake(self, node: int) -> None:
+        """Capacity freed on `node`: move back the parked pods it could now hold. Pods above the backfill
+        see the node as if backfill were not there (the shadow), so they are woken against it too."""
+        self.queue.activate_for_node(self.state, node)
+        if self.shadow is not None and self._backfill_priority is not None:
+            self.queue.activate_for_node(self.shadow, node, above_priority=self._backfill_priority)
 
     def is_backfill(self, request: PodRequest) -> bool:
         return request.priority_class is not None and request.priority_class in self._backfill_classes
@@ -248,12 +259,8 @@ class Scheduler:
         self._assumed.pop(name, None)
         binding = self.state.bindings.get(name)
         if binding is not None:
-            in_shadow = self.shadow is not None and name in self.shadow.bindings
             self._release(name)
-            self.queue.activate_for_node(self.state, binding.node)
-            if in_shadow and self.shadow is not None and self._backfill_priority is not None:
-                # Pods above the backfill see the node as if backfill were not there: wake those that fit now.
-                self.queue.activate_for_node(self.shadow, binding.node, above_priority=self._backfill_priority)
+            self._wake(binding.node)
             if request.queue is not None:
                 self._wake_queue(request.queue)
         waiting = self._victim_of.pop(name, None)
@@ -265,7 +272,7 @@ class Scheduler:
             # and a pod that tried it while the victim was terminating got a bind conflict and was parked.
             node = self.state.node_index.get(pod.assignment.node) if pod.assignment is not None else None
             if node is not None:
-                self.queue.activate_for_node(self.state, node)
+                self._wake(node)
 
     def _on_bound(self, pod: PodInfo) -> None:
         """The world bound a pod: confirm our reservation, or let the world's binding replace it."""
@@ -293,7 +300,7 @@ class Scheduler:
                 self.resync()
                 return
             if node is not None:
-                self.queue.activate_for_node(self.state, node)
+                self._wake(node)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, pod: PodRequest) -> Decision:
@@ -341,7 +348,7 @@ class Scheduler:
                 recheck.clear()
                 for node in sorted(pending):
                     if node < self.state.size:
-                        self.queue.activate_for_node(self.state, node)
+                        self._wake(node)
                 continue
             hint, entry.hint_node = entry.hint_node, -1
             if entry.request.gang is not None:
@@ -726,15 +733,23 @@ class Scheduler:
     def _release_hold(self, nomination: Nomination) -> None:
         """The nodes a nomination held are open again: wake the pods parked while they were held."""
         for node in sorted({self.state.node_index.get(a.node, -1) for _, a in nomination.members} - {-1}):
-            self.queue.activate_for_node(self.state, node)
+            self._wake(node)
 
     def _expire(self) -> None:
         """Fail gangs that waited too long for members; requeue nominations whose victims never left;
         every `retry_preemptors_every_s`, put parked pods that could preempt someone back in the queue."""
         now = self.now()
-        if self.rules.preemption and now - self._last_retry >= self.rules.retry_preemptors_every_s:
+        if now - self._last_flush >= self.rules.flush_parked_every_s:
+            self._last_flush = now
             self._last_retry = now
-            rows = self.state.pod_table.pods
+            for entry in self.queue.parked:
+                taken = self.queue.take(entry.request.name)
+                if taken is not None:
+                    self.queue.requeue(taken)
+        elif self.rules.preemption and now - self._last_retry >= self.rules.retry_preemptors_every_s:
+            self._last_retry = now
+            # Backfill does not count: pods above it decide on the shadow, where preempting it gains nothing.
+            rows = (self.shadow if self.shadow is not None else self.state).pod_table.pods
             live = rows.live[: rows.count]
             if live.any():
                 lowest = int(rows.priority[: rows.count][live].min())
