@@ -55,3 +55,11 @@ def invoke_scenario(tmp_path: Path, scenario: str, args: list[str], file_text: s
         path.write_text(file_text)
         command += ["--scenario-file", str(path)]
     return CliRunner().invoke(app, command)
+
+
+def assert_refused(result: Result, captured: list[Any], message: str) -> None:
+    """The CLI exited 2 before any run, with `message` (whitespace aside) and no traceback."""
+    assert result.exit_code == 2, result.output
+    assert not captured, "bad input must be refused before the run"
+    assert flat(message) in flat(result.output), result.output
+    assert "Traceback" not in result.output

@@ -22,7 +22,7 @@ from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.preemption import VictimOrder
 from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods
 from gpuplane.sim.backfill import BackfillScenario, ScenarioError, load_scenario, run_comparison
-from scenario_helpers import capture_settings, flat, invoke_scenario, num, without_wall_time
+from scenario_helpers import assert_refused, capture_settings, flat, invoke_scenario, num, without_wall_time
 
 Figures = dict[str, float | int | str | bool]
 
@@ -317,16 +317,7 @@ BAD_INPUT_CASES = [
 @pytest.mark.parametrize(("file", "args", "message"), BAD_INPUT_CASES)
 def test_bad_input_exits_2_naming_the_field(tmp_path: Path, captured: list[BackfillScenario], file: str | None,
                                             args: list[str], message: str) -> None:
-    command = ["simulate", "--scenario", "training-backfill", "--json", "--out", str(tmp_path), *args]
-    if file is not None:
-        path = tmp_path / "s.yaml"
-        path.write_text(file)
-        command += ["--scenario-file", str(path)]
-    result = runner.invoke(app, command)
-    assert result.exit_code == 2, result.output
-    assert not captured, "bad input must be refused before the run"
-    assert flat(message) in flat(result.output), result.output
-    assert "Traceback" not in result.output
+    assert_refused(invoke_scenario(tmp_path, "training-backfill", args, file), captured, message)
 
 
 def test_unknown_node_policy_is_refused_before_any_run(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from gpuplane.report.html import png
 from gpuplane.report.tidal import write_tidal_report
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.sim.tidal import TidalComparison, TidalRun, TidalScenario, run_tidal_comparison
-from scenario_helpers import capture_settings, flat, invoke_scenario, num, without_wall_time
+from scenario_helpers import assert_refused, capture_settings, flat, invoke_scenario, num, without_wall_time
 
 Figures = dict[str, float | int | str]
 
@@ -495,16 +495,7 @@ BAD_INPUT_CASES = [
 @pytest.mark.parametrize(("file", "args", "message"), BAD_INPUT_CASES)
 def test_bad_input_exits_2_naming_the_field(tmp_path: Path, captured: list[TidalScenario], file: str | None,
                                             args: list[str], message: str) -> None:
-    command = ["simulate", "--scenario", "tidal", "--json", "--out", str(tmp_path), *args]
-    if file is not None:
-        path = tmp_path / "s.yaml"
-        path.write_text(file)
-        command += ["--scenario-file", str(path)]
-    result = runner.invoke(app, command)
-    assert result.exit_code == 2, result.output
-    assert not captured, "bad input must be refused before the run"
-    assert flat(message) in flat(result.output), result.output
-    assert "Traceback" not in result.output
+    assert_refused(invoke_scenario(tmp_path, "tidal", args, file), captured, message)
 
 
 def test_unknown_node_policy_is_refused_before_any_run(tmp_path: Path) -> None:
