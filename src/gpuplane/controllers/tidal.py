@@ -169,22 +169,18 @@ class TidalController:
         for pod in pods:
             if pod.request.workload is not None:
                 by_workload.setdefault(pod.request.workload, []).append(pod)
+        targets = {spec.name: self._target(spec, t, window, phase) for spec in self.policy.services}
         for spec in self.policy.services:
-            self._scale(spec, self._target(spec, t, window, phase), by_workload, pods)
+            self._scale(spec, targets[spec.name], by_workload, pods)
         if not self.lend:
             return
-        reclaimed = False
-        if self.ledger:
-            short = self._shortfall_milli(t, nodes)
-            if phase == "day":
-                self._reclaim(list(self.ledger), early=False)
-            elif short > 0:
-                self._reclaim(self._cheapest_loans(short, nodes), early=True)
-                reclaimed = True
-        if phase == "lend" and window is not None and not reclaimed:
-            room = -self._shortfall_milli(t, nodes)
-            if room > 0:
-                self._lend_empty(window, t, room)
+        short = self._shortfall_milli(targets, nodes)
+        if self.ledger and phase == "day":
+            self._reclaim(list(self.ledger), early=False)
+        elif self.ledger and short > 0:
+            self._reclaim(self._cheapest_loans(short, nodes), early=True)
+        elif phase == "lend" and window is not None and short < 0:
+            self._lend_empty(window, t, -short)
 
     def target_replicas(self, name: str, t: float | None = None) -> int:
         t = self.now() if t is None else t
@@ -283,15 +279,11 @@ class TidalController:
             self.stats.early_reclaims += early
 
     # ------------------------------------------------------------------ early reclaim
-    def _shortfall_milli(self, t: float, nodes: Sequence[NodeInfo]) -> int:
-        """GPU milli the tidal subsets need over the horizon beyond what unlent tidal nodes hold, with the
+    def _shortfall_milli(self, targets: Mapping[str, int], nodes: Sequence[NodeInfo]) -> int:
+        """GPU milli the tidal subsets need at their `targets` beyond what unlent tidal nodes hold, with the
         policy's headroom (positive: reclaim now)."""
-        need = 0
-        for spec in self.policy.services:
-            binding = self.services[spec.name]
-            window, phase = self.policy.window_at(t)
-            target = self._target(spec, t, window, phase)
-            need += max(0, target - spec.min_replicas) * binding.gpu_milli_per_replica
+        need = sum(max(0, targets[spec.name] - spec.min_replicas) * self.services[spec.name].gpu_milli_per_replica
+                   for spec in self.policy.services)
         have = sum(n.spec.gpus * MILLI_PER_CARD for n in nodes
                    if dict(n.spec.labels).get(SUBSET_LABEL) == "tidal" and n.name not in self.ledger)
         return math.ceil(need - have * (1.0 - self.policy.reclaim_headroom))

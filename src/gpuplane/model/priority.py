@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -101,9 +101,6 @@ class PriorityClasses:
         if request.priority_class is not None and request.priority_class in self._by_name:
             return self._by_name[request.priority_class].victim_grace_s
         return default
-
-    def by_value(self) -> Mapping[int, PriorityClass]:
-        return {c.value: c for c in self}
 
 
 class _ClassFile(BaseModel):

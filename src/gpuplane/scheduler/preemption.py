@@ -276,7 +276,3 @@ def _only(size: int, node: int) -> BoolArray:
     mask[node] = True
     return mask
 
-
-def evict_in_place(state: ClusterState, plan: PreemptionPlan) -> list[Binding]:
-    """Release a plan's victims from `state` (a trial); returns their bindings to put back."""
-    return [state.release(v.pod) for v in plan.victims]

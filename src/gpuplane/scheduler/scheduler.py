@@ -527,7 +527,7 @@ class Scheduler:
             eligible = lower
             spare: dict[str, int] = {}
         else:
-            used = self._queue_usage()
+            used = self.quota_usage()
             spare = {}
             borrowing = np.zeros(max(len(table.queue_ids), 1), np.bool_)
             for queue in quotas:
@@ -753,7 +753,7 @@ class Scheduler:
             live = rows.live[: rows.count]
             if live.any():
                 lowest = int(rows.priority[: rows.count][live].min())
-                usage = self._queue_usage() if self.rules.quotas else {}
+                usage = self.quota_usage() if self.rules.quotas else {}
                 for entry in self.queue.parked:
                     if entry.request.preempts and (entry.request.priority > lowest or self._owed(entry.request, usage)):
                         taken = self.queue.take(entry.request.name)
@@ -788,7 +788,7 @@ class Scheduler:
                 self.queue.requeue(entry)
 
     # ------------------------------------------------------------------ quotas
-    def _queue_usage(self) -> dict[str, int]:
+    def quota_usage(self) -> dict[str, int]:
         """GPU milli held per queue in the cache (bound, assumed and nominated pods)."""
         table = self.state.pod_table
         rows = table.pods
@@ -797,9 +797,6 @@ class Scheduler:
                            minlength=len(table.queue_ids))
         return {name: int(sums[qid]) for name, qid in table.queue_ids.items() if name is not None}
 
-    def quota_usage(self) -> dict[str, int]:
-        """GPU milli per queue, as the cache sees it."""
-        return self._queue_usage()
 
     def _quota_refusal(self, pod: PodRequest, need_milli: int) -> str | None:
         if pod.queue is None or not self.rules.quotas:
@@ -807,7 +804,7 @@ class Scheduler:
         quota = self.rules.quotas.get(pod.queue)
         if quota is None or quota.max_milli is None:
             return None
-        used = self._queue_usage().get(pod.queue, 0)
+        used = self.quota_usage().get(pod.queue, 0)
         if used + need_milli <= quota.max_milli:
             return None
         return (f"queue {pod.queue} at its maximum: {used / MILLI_PER_CARD:g} of {quota.max_gpus:g} GPUs in use, "

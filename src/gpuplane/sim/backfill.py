@@ -43,6 +43,7 @@ from gpuplane.scheduler.preemption import VictimOrder
 from gpuplane.scheduler.scheduler import SchedulingRules
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop, _Entry
+from gpuplane.sim.replay import window_mean
 from gpuplane.sim.scenario_file import ScenarioError, load_scenario_model
 from gpuplane.sim.trace import TracePod
 
@@ -113,7 +114,6 @@ class _Job:
     started: float = -1.0
     departure: _Entry | None = None
     finishing: bool = False
-    first_wait_s: float = -1.0
 
 
 @dataclass(slots=True)
@@ -143,20 +143,13 @@ class BackfillRun:
     wall_s: float = 0.0
     window_s: tuple[float, float] = (0.0, 0.0)
 
-    def _window(self, values: Sequence[float]) -> float:
-        times = np.asarray(self.time_s)
-        start, end = self.window_s
-        inside = (times >= start) & (times <= end)
-        chosen = np.asarray(values)[inside] if inside.any() else np.asarray(values)
-        return float(chosen.mean()) if len(chosen) else 0.0
-
     @property
     def mean_allocation_pct(self) -> float:
-        return self._window(self.allocation_pct)
+        return window_mean(self.time_s, self.allocation_pct, self.window_s)
 
     @property
     def mean_normal_allocation_pct(self) -> float:
-        return self._window(self.normal_allocation_pct)
+        return window_mean(self.time_s, self.normal_allocation_pct, self.window_s)
 
     def wait_percentile(self, q: float) -> float:
         return float(np.percentile(self.normal_waits_s, q)) if self.normal_waits_s else 0.0

@@ -109,13 +109,25 @@ class SimulationResult:
 
     def window_mean(self, values: Sequence[float]) -> float:
         """Mean of a timed series over the measurement window (all samples if the window is empty)."""
-        if self.series is None or not values:
+        if self.series is None:
             return 0.0
-        times = np.asarray(self.series.time_s)
-        start, end = self.window_s
-        inside = (times >= start) & (times <= end)
-        chosen = np.asarray(values)[inside] if inside.any() else np.asarray(values)
-        return float(chosen.mean())
+        return window_mean(self.series.time_s, values, self.window_s)
+
+
+def window_mean(times: Sequence[float], values: Sequence[float], window: tuple[float, float],
+                mask: Sequence[bool] | None = None) -> float:
+    """Mean of the samples taken within `window` (every sample if none falls in it) and, if given, `mask`;
+    0 when nothing is left."""
+    if not len(values):
+        return 0.0
+    at = np.asarray(times)
+    inside = (at >= window[0]) & (at <= window[1])
+    if not inside.any():
+        inside = np.ones(len(at), np.bool_)
+    if mask is not None:
+        inside &= np.asarray(mask, np.bool_)
+    chosen = np.asarray(values, np.float64)[inside]
+    return float(chosen.mean()) if len(chosen) else 0.0
 
 
 def tune_workload(pods: Sequence[PodRequest], capacity_milli: int, seed: int, target: float = 1.3) -> list[PodRequest]:

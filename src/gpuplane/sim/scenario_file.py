@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gpuplane.model import GpuplaneError
+from gpuplane.model.yamlfile import validate_model
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,9 +37,4 @@ def load_scenario_model(path: str | Path, model: type[M], overrides: Mapping[str
                         error: type[GpuplaneError] = ScenarioError) -> M:
     """The settings in `path` with `overrides` applied, validated together; errors name the file and field."""
     fields = read_scenario_file(path, error) | {k: v for k, v in overrides.items() if v is not None}
-    try:
-        return model.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise error(f"{path}: {where + ': ' if where else ''}{first['msg']}") from None
+    return validate_model(fields, model, error, str(path))

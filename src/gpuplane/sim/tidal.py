@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from gpuplane.scheduler import Admission, Outcome, Profile, Scheduler, Schedulin
 from gpuplane.scheduler.scheduler import NETWORK_BLOCK_LABEL
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop, _Entry
+from gpuplane.sim.replay import window_mean
 from gpuplane.sim.scenario_file import ScenarioError, load_scenario_model, read_scenario_file
 
 Progress = Callable[[int, int], None]
@@ -274,14 +275,9 @@ class TidalRun:
     window_s: tuple[float, float] = (0.0, 0.0)
     night_mask: list[bool] = field(default_factory=list)
 
-    def mean(self, values: list[float] | list[int], mask: list[bool] | None = None) -> float:
-        times = np.asarray(self.time_s)
-        start, end = self.window_s
-        inside = (times >= start) & (times <= end)
-        if mask is not None:
-            inside &= np.asarray(mask, np.bool_)
-        chosen = np.asarray(values, np.float64)[inside]
-        return float(chosen.mean()) if len(chosen) else 0.0
+    def mean(self, values: Sequence[float], mask: Sequence[bool] | None = None) -> float:
+        """Mean over the measurement window (and `mask`, e.g. the loan window's samples)."""
+        return window_mean(self.time_s, values, self.window_s, mask)
 
 
 @dataclass(slots=True)
