@@ -25,7 +25,7 @@ from gpuplane.model.catalog import MILLI_PER_CARD, CardModel, Catalog, MigProfil
 from gpuplane.model.errors import NodeSpecError, PlacementError
 from gpuplane.model.node import MigMode, NodeSpec
 from gpuplane.model.podtable import PodTable
-from gpuplane.model.request import MigSlice, PodRequest, WholeCards
+from gpuplane.model.request import MigSlice, PodRequest, QoS, WholeCards
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
@@ -171,13 +171,14 @@ class ClusterState:
         self.card_mig_compute = np.zeros((n, c), np.int64)
         self.card_mig_me = np.zeros((n, c), np.bool_)
         self.card_whole = np.zeros((n, c), np.bool_)
+        self.card_online_milli = np.zeros((n, c), np.int64)
 
     _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
                     "gpu_milli_used", "idle_cards", "rdma_max_free", "node_version")
     _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
                     "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
                     "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me",
-                    "card_whole")
+                    "card_whole", "card_online_milli")
 
     def _grow(self, n: int, c: int) -> None:
         old_n, old_c = len(self.cpu_cap), self.width
@@ -397,6 +398,7 @@ class ClusterState:
         self.cpu_free[n] -= request.cpu_milli
         self.mem_free[n] -= request.memory_mib
         workload = request.workload
+        online = request.qos is QoS.ONLINE
         for share in assignment.cards:
             c = share.card
             if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
@@ -407,6 +409,8 @@ class ClusterState:
             self.card_enc_free[n, c] -= share.encoders
             self.card_dec_free[n, c] -= share.decoders
             self.gpu_milli_used[n] += share.compute_milli
+            if online:
+                self.card_online_milli[n, c] += share.compute_milli
             if share.whole:
                 self.card_whole[n, c] = True
                 self.card_mem_free[n, c] = 0
@@ -453,6 +457,8 @@ class ClusterState:
             self.card_enc_free[n, c] += share.encoders
             self.card_dec_free[n, c] += share.decoders
             self.gpu_milli_used[n] -= share.compute_milli
+            if request.qos is QoS.ONLINE:
+                self.card_online_milli[n, c] -= share.compute_milli
             if share.whole:
                 self.card_whole[n, c] = False
                 self.card_mem_free[n, c] = self.card_mem_cap[n, c]

@@ -21,6 +21,7 @@ from gpuplane.scheduler.plugins.baselines import (
     RandomScore,
 )
 from gpuplane.scheduler.plugins.cards import CardOnlyOne, CardOnlyOneScope, CardOrder, OrderedCardPicker
+from gpuplane.scheduler.plugins.colocation import ColocationCardPicker, ColocationScore
 from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdScore, FgdUsedScore, OnlineFgdScore
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
 from gpuplane.scheduler.plugins.frag import TypicalPods
@@ -147,8 +148,12 @@ def default_registry() -> Registry:
     registry.register_node_policy("fgd-online", lambda c: _paper(OnlineFgdScore(), FgdCardPicker()))
     # Ours: online M, ties go to nodes already in use (docs/fragmentation.md).
     registry.register_node_policy("fgd-used", lambda c: _paper(FgdUsedScore(), FgdCardPicker()))
+    # Ours: offline pods onto cards with little online load and a matching memory-to-compute ratio.
+    registry.register_node_policy("colocation", lambda c: NodePolicy(
+        (WeightedScore(ColocationScore()), WeightedScore(BinpackScore(c.weights))), ColocationCardPicker()))
     registry.register_card_policy("binpack", lambda c: ((), OrderedCardPicker("binpack", CardOrder.PACK)))
     registry.register_card_policy("spread", lambda c: ((), OrderedCardPicker("spread", CardOrder.SPREAD)))
     registry.register_card_policy("card-only-one", _card_only_one)
     registry.register_card_policy("custom-topo", _custom_topo)
+    registry.register_card_policy("colocation", lambda c: ((), ColocationCardPicker()))
     return registry
