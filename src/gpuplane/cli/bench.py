@@ -128,3 +128,20 @@ def run_preempt_bench(fill_pct: float, preemptors: int, seed: int, max_candidate
         "max_candidates": max_candidates,
         "victim_order": order,
     }
+
+
+def run_guard_bench(samples: int, poll_s: float, offline: int, seed: int) -> dict[str, Any]:
+    """The co-location guard's reaction (online demand -> offline processes stopped) on real processes."""
+    import numpy as np
+
+    from gpuplane.node.bench import measure_reaction
+
+    reactions_ms = np.asarray(measure_reaction(samples, poll_s, offline=offline, seed=seed)) * 1000.0
+    return {
+        "samples": samples,
+        "offline_processes": offline,
+        "poll_ms": round(poll_s * 1000.0, 3),
+        "median_ms": round(float(np.median(reactions_ms)), 3),
+        "p99_ms": round(float(np.percentile(reactions_ms, 99)), 3),
+        "max_ms": round(float(reactions_ms.max()), 3),
+    }

@@ -470,17 +470,77 @@ def bench_preempt(
     figures = {k: v for k, v in runs[0].items() if k not in keys} | {
         f"median_{k}": round(median(float(r[k]) for r in runs), 3) for k in keys} | {
         "repeats": repeats, "runs_preemption_decisions_per_s": [r["preemption_decisions_per_s"] for r in runs]}
+    _print_figures(f"gpuplane bench preempt ({runs[0]['nodes']:,} nodes filled to {fill_pct:g} %, median of "
+                   f"{repeats})", figures, as_json)
+
+
+def _print_figures(title: str, figures: dict[str, Any], as_json: bool) -> None:
+    """One JSON object, or a two-column table of figure and value."""
     if as_json:
         print(json.dumps(figures))
         return
-    table = Table(title=f"gpuplane bench preempt ({runs[0]['nodes']:,} nodes filled to {fill_pct:g} %, median of "
-                        f"{repeats})")
+    table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, value in figures.items():
         table.add_row(key, str(value))
     out.print(table)
 
+
+@bench_app.command("guard")
+def bench_guard(
+    samples: Annotated[int, typer.Option(help="online-demand flips measured")] = 50,
+    poll_s: Annotated[float, typer.Option(help="the guard's poll period (seconds)")] = 0.05,
+    offline: Annotated[int, typer.Option(help="offline busy-loop processes to stop")] = 2,
+    seed: SeedOpt = 42,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Co-location guard reaction: online demand appears -> every offline process stopped (real processes)."""
+    from gpuplane.cli.bench import run_guard_bench
+
+    if samples < 1 or offline < 1 or not poll_s > 0:
+        _fail("--samples and --offline must be at least 1, --poll-s above 0")
+    if not as_json:
+        err.print(f"measuring {samples} reactions at a {poll_s * 1000:g} ms poll period …")
+    _print_figures("gpuplane bench guard", run_guard_bench(samples, poll_s, offline, seed), as_json)
+
+
+@app.command("node-guard")
+def node_guard(
+    config: Annotated[Path, typer.Option("--config", help="guard settings and containers (YAML)")],
+    metrics_port: Annotated[int | None, typer.Option(help="serve Prometheus metrics on this port")] = None,
+    metrics_addr: Annotated[str, typer.Option(help="address the metrics server listens on")] = "0.0.0.0",
+) -> None:
+    """Run the co-location guard on this node's GPUs (NVML) until Ctrl-C or SIGTERM."""
+    import logging
+    import signal
+    import threading
+
+    from gpuplane.node.gpu import NvmlBackend
+    from gpuplane.node.guard import ColocationGuard, load_guard_config
+
+    try:
+        settings = load_guard_config(config)
+        backend = NvmlBackend()
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    guard = ColocationGuard(settings, backend)
+    if metrics_port is not None:
+        try:
+            guard.start_metrics_server(metrics_port, metrics_addr)
+        except OSError as exc:
+            backend.close()
+            _fail(f"--metrics-port {metrics_port}: {exc}")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        guard.run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        guard.stop(guard.clock())
+        backend.close()
 
 def _fail(message: str) -> NoReturn:
     err.print(f"[red]error:[/] {message}")

@@ -1,0 +1,539 @@
+"""The co-location guard: online inference and offline batch work share a card; online always wins.
+
+Each pass (`tick`) reads every card once and, per card, feeds the online-first policy of
+`gpuplane.controllers.colocation` (`SliceArbiter`, `MemoryGuard`, `offline_transition`), then acts on
+the offline containers' processes:
+
+- online demand (an online container's process above the SM threshold): SIGSTOP every offline process;
+- online idle for the minimum slice: SIGCONT them;
+- free memory under the safety line, or an offline container above its quota: evict it (SIGTERM and
+  SIGCONT, then SIGKILL after the grace period if it is still alive, or at once if online demand appears
+  during the grace: a continued process must not compete with online work);
+- an online container above its quota is logged and counted, never signalled.
+
+Fail safe: a failed card reading changes nothing; unknown and vanished processes are skipped. Each
+offline container's state is persisted (JSON, replaced atomically on every change) so that a restarted
+guard neither leaves processes stopped for ever nor forgets a pending kill. Times are the guard's clock
+(`time.monotonic` in real use: comparable across guard restarts until the node reboots).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from gpuplane.controllers.colocation import (
+    EvictionCandidate,
+    GuardSettings,
+    MemoryGuard,
+    OfflineEvent,
+    OfflineState,
+    SliceArbiter,
+    offline_transition,
+    pick_eviction,
+)
+from gpuplane.model import GpuplaneError
+from gpuplane.model.yamlfile import load_yaml_model
+from gpuplane.node.gpu import CardReading, GpuBackend, GpuBackendError
+from gpuplane.node.processes import ProcessState, SignalResult, container_pids, read_stat, signal_process
+
+log = logging.getLogger(__name__)
+_DEFAULTS = GuardSettings()
+
+
+class GuardConfigError(GpuplaneError):
+    """A guard configuration that cannot be valid; the message names the file and the field."""
+
+
+class GuardOptions(BaseModel):
+    """How the guard polls and acts, plus the online-first policy's suspension and eviction thresholds
+    (the `GuardSettings` fields of the same names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    poll_s: float = Field(default=0.05, gt=0, allow_inf_nan=False)
+    kill_grace_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    """SIGKILL follows SIGTERM after this long if the container is still alive."""
+    online_sm_threshold_pct: float = Field(default=5.0, ge=0, le=100)
+    """An online process above this SM utilisation is online demand."""
+    state_file: Path | None = None
+    min_slice_s: float = Field(default=0.25, ge=0, allow_inf_nan=False)
+    """Offline resumes after online has been idle this long: several polls, so that one idle reading
+    between requests does not resume it (process signals are far coarser than the kernel-level gate the
+    simulator's default models)."""
+    memory_guard: bool = _DEFAULTS.memory_guard
+    safety_margin_bytes: int = Field(default=_DEFAULTS.safety_margin_bytes, ge=0)
+    growth_factor: float = Field(default=_DEFAULTS.growth_factor, ge=0, allow_inf_nan=False)
+    min_growth_bytes: int = Field(default=_DEFAULTS.min_growth_bytes, ge=0)
+    reaction_horizon_s: float = Field(default=_DEFAULTS.reaction_horizon_s, ge=0, allow_inf_nan=False)
+    growth_window_s: float = Field(default=_DEFAULTS.growth_window_s, ge=0, allow_inf_nan=False)
+
+    def settings(self) -> GuardSettings:
+        """The policy's settings: these options' values, `GuardSettings`' defaults for the rest (admission,
+        which is the scheduler's decision, not the guard's)."""
+        shared = {f.name for f in fields(GuardSettings)} & set(type(self).model_fields)
+        return GuardSettings(**{name: getattr(self, name) for name in shared})
+
+
+class ContainerSpec(BaseModel):
+    """A container on one card; its processes are an explicit PID list or a cgroup v2 directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1)
+    card: int = Field(ge=0)
+    qos: Literal["online", "offline"]
+    memory_quota_bytes: PositiveInt | None = None
+    pids: tuple[PositiveInt, ...] = ()
+    cgroup: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ContainerSpec:
+        if bool(self.pids) == (self.cgroup is not None):
+            raise ValueError(f"container {self.name!r}: give either pids or cgroup")
+        return self
+
+
+class GuardConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    guard: GuardOptions = GuardOptions()
+    containers: tuple[ContainerSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> GuardConfig:
+        names = [c.name for c in self.containers]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"container names must be unique: {', '.join(twice)}")
+        pids = [p for c in self.containers for p in c.pids]
+        shared = sorted({p for p in pids if pids.count(p) > 1})
+        if shared:
+            raise ValueError(f"a PID belongs to one container only: {', '.join(map(str, shared))}")
+        return self
+
+
+def load_guard_config(path: str | Path) -> GuardConfig:
+    """Read a guard configuration (YAML); raises `GuardConfigError("FILE: field: message")`."""
+    return load_yaml_model(path, GuardConfig, GuardConfigError)
+
+
+class GuardActionKind(enum.Enum):
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    EVICT = "evict"
+    KILL = "kill"
+    FORGET = "forget"
+    QUOTA_WARNING = "quota-warning"
+    """An online container above its quota: logged and counted only."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardAction:
+    at: float
+    kind: GuardActionKind
+    container: str
+    card: int
+    pids: tuple[int, ...]
+    reason: str
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"gpuplane_guard_{name}", doc, labels, registry=registry)
+
+        self.suspensions = counter("suspensions", "Offline containers suspended (SIGSTOP).", ("card", "container"))
+        self.resumptions = counter("resumptions", "Offline containers resumed (SIGCONT).", ("card", "container"))
+        self.evictions = counter("evictions", "Offline containers evicted (SIGTERM).",
+                                 ("card", "container", "reason"))
+        self.kills = counter("kills", "Evicted containers killed (SIGKILL) after the grace period.")
+        self.backend_errors = counter("backend_errors", "Card readings that failed; no action was taken.")
+        self.unknown_pids = counter("unknown_pids", "Processes seen on a card that belong to no container.")
+        self.quota_violations = counter("quota_violations", "Containers seen above their memory quota.",
+                                        ("container", "qos"))
+        self.suspended = Gauge("gpuplane_guard_offline_suspended", "1 while the offline container is suspended.",
+                               ("card", "container"), registry=registry)
+        self.threshold = Gauge("gpuplane_guard_memory_threshold_bytes",
+                               "Free memory under which offline work is evicted.", ("card",), registry=registry)
+        self.reaction = Histogram("gpuplane_guard_reaction_seconds",
+                                  "From the reading that showed online demand to the SIGSTOP done.",
+                                  registry=registry,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+
+@dataclass(slots=True)
+class _Offline:
+    """What the guard knows of one offline container; all but `pids` and `killed` is persisted."""
+
+    spec: ContainerSpec
+    state: OfflineState
+    since: float
+    """When it entered `state` (an eviction's grace counts from here)."""
+    first_seen: float
+    starts: dict[int, int] = field(default_factory=dict)
+    """PID -> start time (clock ticks since boot): a PID whose start time differs is another process."""
+    pids: tuple[int, ...] = ()
+    """Its live processes at the last pass."""
+    killed: bool = False
+
+
+@dataclass(slots=True)
+class _Usage:
+    """One container's processes on its card in one reading."""
+
+    used_bytes: int = 0
+    unknown_bytes: bool = False
+
+
+class _RecordedPid(BaseModel):
+    pid: PositiveInt
+    start_ticks: int
+
+
+class _Record(BaseModel):
+    card: int
+    state: OfflineState
+    since: float
+    first_seen: float
+    pids: list[_RecordedPid]
+
+
+class _StateFile(BaseModel):
+    version: Literal[1]
+    containers: dict[str, _Record]
+
+
+class ColocationGuard:
+    """Guards the cards of one node. `tick(now)` is one pass; `run` ticks every poll period.
+
+    `clock` times reactions (and, in `run`, the passes); `actions` lists every action taken."""
+
+    def __init__(self, config: GuardConfig, backend: GpuBackend, *, clock: Callable[[], float] = time.monotonic,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.clock = clock
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self.actions: list[GuardAction] = []
+        options = config.guard
+        settings = options.settings()
+        cards = sorted({c.card for c in config.containers})
+        self._arbiters = {card: SliceArbiter(settings.min_slice_s) for card in cards}
+        self._memory = {card: MemoryGuard(settings) for card in cards}
+        self._online = [c for c in config.containers if c.qos == "online"]
+        self._offline: dict[str, _Offline] = {}
+        self._unknown: dict[int, set[int]] = {card: set() for card in cards}
+        self._over_quota: set[str] = set()
+        self._dirty = False
+        self._started = False
+        self._state_corrupt = False
+        records = self._load_state()
+        for spec in config.containers:
+            if spec.qos == "offline":
+                self._offline[spec.name] = self._restore(spec, records.get(spec.name))
+
+    # -- the pass ---------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """One pass at time `now`: read every card, decide, act. Never raises for a failed reading or a
+        vanished process."""
+        if not self._started:
+            self._started = True
+            if self._state_corrupt:
+                self._continue_stopped(now)
+        try:
+            readings = {r.index: r for r in self.backend.cards()}
+        except GpuBackendError as exc:
+            self._backend_error(str(exc))
+            self._save()
+            return
+        owners = {pid: spec for spec in self._online for pid in container_pids(spec.pids, spec.cgroup)}
+        for tracked in self._offline.values():
+            if tracked.state is not OfflineState.GONE:
+                self._refresh(tracked)
+                owners.update((pid, tracked.spec) for pid in tracked.pids)
+        for card in self._arbiters:
+            reading = readings.get(card)
+            if reading is None:
+                self._backend_error(f"the reading has no card {card}")
+                continue
+            self._card(now, reading, owners)
+        self._save()
+
+    def run(self, stop: threading.Event, *, sleep: Callable[[float], object] | None = None) -> None:
+        """Tick every poll period until `stop` is set; `sleep` defaults to waiting on `stop`."""
+        pause = stop.wait if sleep is None else sleep
+        period = self.config.guard.poll_s
+        while not stop.is_set():
+            started = self.clock()
+            self.tick(started)
+            pause(max(0.0, period - (self.clock() - started)))
+
+    def stop(self, now: float) -> None:
+        """Stop guarding. Without a state file no successor could resume the suspended containers, so they
+        are resumed now; with one, the next guard takes them over."""
+        if self.config.guard.state_file is not None:
+            return
+        for tracked in self._offline.values():
+            if tracked.state is OfflineState.SUSPENDED:
+                self._apply(tracked, OfflineEvent.ONLINE_IDLE, now, "the guard is stopping")
+
+    def start_metrics_server(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
+        """Serve this guard's metrics over HTTP (port 0: any free port, see `server.server_port`)."""
+        return start_http_server(port, addr, registry=self.registry)
+
+    # -- one card ---------------------------------------------------------------------------------------
+
+    def _card(self, now: float, reading: CardReading, owners: dict[int, ContainerSpec]) -> None:
+        card = reading.index
+        options = self.config.guard
+        offline = [t for t in self._offline.values() if t.spec.card == card and t.state is not OfflineState.GONE]
+        usage: dict[str, _Usage] = {}
+        online_active = False
+        online_bytes = 0
+        unknown: set[int] = set()
+        for process in reading.processes:
+            spec = owners.get(process.pid)
+            if spec is None:
+                unknown.add(process.pid)
+                continue
+            if spec.card != card:
+                continue
+            use = usage.setdefault(spec.name, _Usage())
+            use.used_bytes += process.used_bytes or 0
+            use.unknown_bytes |= process.used_bytes is None
+            if spec.qos == "online":
+                online_bytes += process.used_bytes or 0
+                online_active |= (process.sm_util_pct or 0.0) > options.online_sm_threshold_pct
+        self._count_unknown(card, unknown)
+        for spec in self._online:
+            if spec.card == card:
+                self._check_online_quota(now, spec, usage.get(spec.name, _Usage()).used_bytes)
+
+        memory = self._memory[card]
+        memory.observe(now, online_bytes)
+        threshold = memory.threshold()
+        self.metrics.threshold.labels(card=str(card)).set(threshold)
+
+        for tracked in offline:
+            used = usage.get(tracked.spec.name, _Usage()).used_bytes
+            quota = tracked.spec.memory_quota_bytes
+            if not tracked.pids:
+                self._apply(tracked, OfflineEvent.EXITED, now, "all its processes have exited")
+            elif tracked.state is OfflineState.EVICTING:
+                self._kill_when_due(tracked, now)
+            elif quota is not None and used > quota:
+                self._apply(tracked, OfflineEvent.QUOTA_EXCEEDED, now, f"quota: uses {used} B > quota {quota} B")
+
+        if memory.should_evict(reading.free_bytes):
+            live = [t for t in offline if t.state is not OfflineState.GONE]
+            pending = sum(usage.get(t.spec.name, _Usage()).used_bytes for t in live
+                          if t.state is OfflineState.EVICTING)
+            shortfall = threshold - reading.free_bytes - pending
+            candidates = [EvictionCandidate(t.spec.name, usage[t.spec.name].used_bytes, t.first_seen) for t in live
+                          if t.state in (OfflineState.RUNNING, OfflineState.SUSPENDED) and t.spec.name in usage
+                          and (usage[t.spec.name].used_bytes > 0 or usage[t.spec.name].unknown_bytes)]
+            chosen = pick_eviction(candidates, shortfall) if shortfall > 0 else None
+            if chosen is not None:
+                self._apply(self._offline[chosen.name], OfflineEvent.MEMORY_LOW, now,
+                            f"memory: free {reading.free_bytes} B < threshold {threshold} B")
+
+        event = self._arbiters[card].observe(now, online_active)
+        if event is OfflineEvent.ONLINE_DEMAND:
+            for tracked in offline:
+                if tracked.state is OfflineState.EVICTING:
+                    self._kill(tracked, now, "online demand during the eviction grace: online wins")
+        if event is not None:
+            reason = ("online demand" if event is OfflineEvent.ONLINE_DEMAND
+                      else f"online idle for at least {options.min_slice_s:g} s")
+            for tracked in offline:
+                self._apply(tracked, event, now, reason)
+
+    def _apply(self, tracked: _Offline, event: OfflineEvent, now: float, reason: str) -> None:
+        state, action = offline_transition(tracked.state, event)
+        if action is None:
+            return
+        tracked.state, tracked.since = state, now
+        self._dirty = True
+        spec = tracked.spec
+        labels = {"card": str(spec.card), "container": spec.name}
+        self.metrics.suspended.labels(**labels).set(1 if state is OfflineState.SUSPENDED else 0)
+        if state is OfflineState.SUSPENDED:
+            self._signal(tracked, signal.SIGSTOP)
+            self.metrics.reaction.observe(max(0.0, self.clock() - now))
+            self.metrics.suspensions.labels(**labels).inc()
+            self._record(now, GuardActionKind.SUSPEND, spec, tracked.pids, reason)
+        elif state is OfflineState.RUNNING:
+            self._signal(tracked, signal.SIGCONT)
+            self.metrics.resumptions.labels(**labels).inc()
+            self._record(now, GuardActionKind.RESUME, spec, tracked.pids, reason)
+        elif state is OfflineState.EVICTING:
+            self._terminate(tracked)
+            cause = "quota" if event is OfflineEvent.QUOTA_EXCEEDED else "memory"
+            self.metrics.evictions.labels(**labels, reason=cause).inc()
+            if cause == "quota":
+                self.metrics.quota_violations.labels(container=spec.name, qos="offline").inc()
+            self._record(now, GuardActionKind.EVICT, spec, tracked.pids, reason)
+        else:
+            self._record(now, GuardActionKind.FORGET, spec, (), reason)
+
+    def _kill_when_due(self, tracked: _Offline, now: float) -> None:
+        grace = self.config.guard.kill_grace_s
+        if now >= tracked.since + grace:
+            self._kill(tracked, now, f"still alive {grace:g} s after SIGTERM")
+
+    def _kill(self, tracked: _Offline, now: float, reason: str) -> None:
+        if tracked.killed:
+            return
+        tracked.killed = True
+        self._signal(tracked, signal.SIGKILL)
+        self.metrics.kills.inc()
+        self._record(now, GuardActionKind.KILL, tracked.spec, tracked.pids, reason)
+
+    # -- processes --------------------------------------------------------------------------------------
+
+    def _refresh(self, tracked: _Offline) -> None:
+        """Update the container's live PIDs; processes that joined a suspended or evicting container are
+        stopped or told to exit like the others."""
+        by_cgroup = tracked.spec.cgroup is not None
+        live: list[int] = []
+        joined: list[int] = []
+        for pid in container_pids(tracked.spec.pids, tracked.spec.cgroup):
+            stat = read_stat(pid)
+            if stat is None or stat.state is ProcessState.ZOMBIE:
+                continue
+            known = tracked.starts.get(pid)
+            if known is not None and known != stat.start_ticks and not by_cgroup:
+                continue  # a listed PID now names another process: never ours to signal
+            if known != stat.start_ticks:
+                tracked.starts[pid] = stat.start_ticks
+                joined.append(pid)
+                self._dirty = True
+            live.append(pid)
+        if by_cgroup and len(tracked.starts) != len(live):
+            tracked.starts = {pid: tracked.starts[pid] for pid in live}
+            self._dirty = True
+        tracked.pids = tuple(live)
+        if joined and tracked.state is OfflineState.SUSPENDED:
+            self._signal_pids(tracked.spec, joined, signal.SIGSTOP)
+        elif joined and tracked.state is OfflineState.EVICTING:
+            self._signal_pids(tracked.spec, joined, signal.SIGTERM)
+            self._signal_pids(tracked.spec, joined, signal.SIGCONT)
+
+    def _terminate(self, tracked: _Offline) -> None:
+        """SIGTERM, then SIGCONT: a stopped process handles SIGTERM only once it runs again."""
+        tracked.killed = False
+        self._signal(tracked, signal.SIGTERM)
+        self._signal(tracked, signal.SIGCONT)
+
+    def _signal(self, tracked: _Offline, sig: signal.Signals) -> None:
+        self._signal_pids(tracked.spec, tracked.pids, sig)
+
+    def _signal_pids(self, spec: ContainerSpec, pids: Sequence[int], sig: signal.Signals) -> None:
+        for pid in pids:
+            if signal_process(pid, sig) is SignalResult.DENIED:
+                log.warning("%s to pid %d of container %s was denied", sig.name, pid, spec.name)
+
+    def _continue_stopped(self, now: float) -> None:
+        """After losing the state file: continue every stopped process of the offline containers."""
+        for tracked in self._offline.values():
+            stopped = []
+            for pid in container_pids(tracked.spec.pids, tracked.spec.cgroup):
+                stat = read_stat(pid)
+                if stat is not None and stat.state is ProcessState.STOPPED:
+                    stopped.append(pid)
+            if stopped:
+                self._dirty = True
+                self._signal_pids(tracked.spec, stopped, signal.SIGCONT)
+                self._record(now, GuardActionKind.RESUME, tracked.spec, tuple(stopped),
+                             "state file unreadable: stopped processes are continued")
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+
+    def _check_online_quota(self, now: float, spec: ContainerSpec, used: int) -> None:
+        quota = spec.memory_quota_bytes
+        if quota is None or used <= quota:
+            self._over_quota.discard(spec.name)
+            return
+        if spec.name not in self._over_quota:
+            self._over_quota.add(spec.name)
+            self.metrics.quota_violations.labels(container=spec.name, qos="online").inc()
+            self._record(now, GuardActionKind.QUOTA_WARNING, spec, (),
+                         f"quota: uses {used} B > quota {quota} B (online work is never signalled)")
+
+    def _count_unknown(self, card: int, pids: set[int]) -> None:
+        new = pids - self._unknown[card]
+        if new:
+            self.metrics.unknown_pids.inc(len(new))
+            log.info("card %d: ignoring processes of no configured container: %s", card, sorted(new))
+        self._unknown[card] = pids
+
+    def _backend_error(self, message: str) -> None:
+        self.metrics.backend_errors.inc()
+        log.warning("card reading failed, no action taken: %s", message)
+
+    def _record(self, now: float, kind: GuardActionKind, spec: ContainerSpec, pids: tuple[int, ...],
+                reason: str) -> None:
+        self.actions.append(GuardAction(now, kind, spec.name, spec.card, pids, reason))
+        log.info("%s container=%s card=%d pids=%s reason=%s", kind.value, spec.name, spec.card, list(pids), reason)
+
+    # -- persisted state --------------------------------------------------------------------------------
+
+    def _load_state(self) -> dict[str, _Record]:
+        path = self.config.guard.state_file
+        if path is None:
+            return {}
+        try:
+            return _StateFile.model_validate_json(path.read_bytes()).containers
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValidationError) as exc:
+            self._state_corrupt = True
+            log.error("%s: unreadable guard state, ignored (stopped offline processes will be continued): %s",
+                      path, str(exc).splitlines()[0])
+            return {}
+
+    def _restore(self, spec: ContainerSpec, record: _Record | None) -> _Offline:
+        """A recorded suspended container stays suspended until the first reading: then online idle resumes
+        it, low memory evicts it, online demand keeps it stopped. An evicting one is killed once its grace,
+        counted from the recorded time, has passed."""
+        if record is None or record.card != spec.card:
+            return _Offline(spec, OfflineState.RUNNING, since=self.clock(), first_seen=self.clock())
+        self.metrics.suspended.labels(card=str(spec.card), container=spec.name).set(
+            1 if record.state is OfflineState.SUSPENDED else 0)
+        return _Offline(spec, record.state, since=record.since, first_seen=record.first_seen,
+                        starts={p.pid: p.start_ticks for p in record.pids})
+
+    def _save(self) -> None:
+        path = self.config.guard.state_file
+        if path is None or not self._dirty:
+            return
+        data = {"version": 1, "containers": {
+            name: {"card": t.spec.card, "state": t.state.value, "since": t.since, "first_seen": t.first_seen,
+                   "pids": [{"pid": pid, "start_ticks": start} for pid, start in sorted(t.starts.items())]}
+            for name, t in self._offline.items()}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
+                                             encoding="utf-8") as handle:
+                json.dump(data, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(handle.name, path)
+        except OSError as exc:
+            log.error("%s: could not write the guard state (retried on the next change): %s", path, exc)
+            return
+        self._dirty = False
