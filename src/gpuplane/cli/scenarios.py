@@ -20,8 +20,6 @@ from gpuplane.sim import TracePod, bundled_path, load_nodes, load_pods, resolve_
 from gpuplane.sim.backfill import BackfillScenario, run_comparison
 from gpuplane.sim.scenario_file import ScenarioError, read_scenario_file
 
-SCENARIOS = ("training-backfill", "tidal")
-
 
 def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Sequence[str],
                       explicit: dict[str, Any]) -> BaseModel:
@@ -46,6 +44,9 @@ def scenario_settings(model: type[BaseModel], path: Path | None, assignments: Se
         where = ".".join(str(p) for p in first["loc"])
         if path is not None and first["loc"] and first["loc"][0] in from_file:
             raise ScenarioError(f"{path}: {where}: {first['msg']}") from None
+        if path is not None and not first["loc"] and any(name in first["msg"] for name in from_file):
+            # a check across fields, some of which the file set
+            raise ScenarioError(f"{path}: {first['msg']}") from None
         raise ScenarioError(f"scenario field {where}: {first['msg']}" if where else f"scenario: {first['msg']}") \
             from None
 
@@ -63,10 +64,12 @@ def _parse_value(text: str) -> Any:
 class ScenarioOutput:
     figures: dict[str, Any]
     report: Path
-    rows: list[tuple[str, str, str]]
-    columns: tuple[str, str]
+    rows: Sequence[tuple[str, ...]]
+    columns: tuple[str, ...]
     title: str
     summary: str
+    more: Sequence[tuple[str, tuple[str, ...], Sequence[tuple[str, ...]]]] = ()
+    """Further tables: (title, columns, rows)."""
 
 
 def _progress(name: str, err: Console, quiet: bool) -> tuple[Progress, Callable[[str, int, int], None]]:
@@ -123,13 +126,38 @@ def run_tidal_scenario(settings: BaseModel, trace: str, nodes_path: Path | None,
         comparison = run_tidal_comparison(default_catalog(), settings, profile, progress=tick)
     report = write_tidal_report(comparison, out_dir / "report.html")
     figures = comparison.figures() | {"report": str(report)}
-    rows = comparison_rows(comparison) + [(label, "", value) for label, value in headline_rows(comparison)]
+    rows: list[tuple[str, ...]] = list(comparison_rows(comparison))
+    rows += [(label, "", value) for label, value in headline_rows(comparison)]
     return ScenarioOutput(figures, report, rows, ("baseline", "tidal"),
                           f"tidal: {settings.inference_nodes} inference + {settings.training_nodes} training nodes, "
                           f"{settings.days:g} day(s)",
                           f"night conversion {figures['night_conversion_pct']} %, utilisation gain "
                           f"{figures['utilisation_gain_points']} points, SLO minutes added "
                           f"{figures['slo_violation_minutes_added_by_tidal']}")
+
+
+def run_colocation_scenario(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path,
+                            err: Console, quiet: bool) -> ScenarioOutput:
+    from gpuplane.report.colocation import comparison_rows, placement_rows, policy_names, write_colocation_report
+    from gpuplane.sim.colocation import ColocationScenario, run_colocation
+
+    assert isinstance(settings, ColocationScenario)
+    progress, tick = _progress("colocation", err, quiet)
+    with progress:
+        comparison = run_colocation(settings, progress=lambda done, total: tick("policy x card", done, total))
+    report = write_colocation_report(comparison, out_dir / "report.html")
+    figures = comparison.figures() | {"report": str(report)}
+    summary = "priority+memory-guard not run"
+    if "goals_met" in figures:
+        guarded = "priority_memory_guard"
+        summary = (f"priority+memory-guard: online p99 {figures[f'{guarded}_online_p99_vs_exclusive_pct']} % "
+                   f"against exclusive, offline uses {figures[f'{guarded}_offline_share_of_usable_idle_pct']} % "
+                   f"of the idle time it could use, {figures[f'{guarded}_online_oom_added']} online OOM events added; "
+                   f"goals met: {figures['goals_met']}")
+    placement = ("placement of offline pods beside online pods", tuple(p.policy for p in comparison.placement),
+                 placement_rows(comparison))
+    return ScenarioOutput(figures, report, comparison_rows(comparison), tuple(policy_names(comparison)),
+                          f"colocation: {settings.cards} card(s), {settings.days:g} day(s)", summary, (placement,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,18 +167,21 @@ class ScenarioKind:
 
 
 def scenario_kinds() -> dict[str, ScenarioKind]:
+    from gpuplane.sim.colocation import ColocationScenario
     from gpuplane.sim.tidal import TidalScenario
 
     return {"training-backfill": ScenarioKind(BackfillScenario, run_training_backfill),
-            "tidal": ScenarioKind(TidalScenario, run_tidal_scenario)}
+            "tidal": ScenarioKind(TidalScenario, run_tidal_scenario),
+            "colocation": ScenarioKind(ColocationScenario, run_colocation_scenario)}
 
 
 def print_output(out: Console, output: ScenarioOutput) -> None:
-    table = Table(title=output.title)
-    table.add_column("")
-    table.add_column(output.columns[0], justify="right")
-    table.add_column(output.columns[1], justify="right")
-    for label, a, b in output.rows:
-        table.add_row(label, a, b)
-    out.print(table)
+    for title, columns, rows in ((output.title, output.columns, output.rows), *output.more):
+        table = Table(title=title)
+        table.add_column("")
+        for column in columns:
+            table.add_column(column, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
     out.print(output.summary)

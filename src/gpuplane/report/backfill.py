@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from gpuplane.report.html import page, png
+from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.backfill import BackfillComparison, BackfillRun
 
 ROWS: tuple[tuple[str, str], ...] = (
@@ -80,10 +79,6 @@ def write_backfill_report(comparison: BackfillComparison, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figures = comparison.figures()
     scenario = comparison.scenario
-    table = "".join(f"<tr><th>{html.escape(label)}</th><td>{a}</td><td>{b}</td></tr>"
-                    for label, a, b in comparison_rows(comparison))
-    settings = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
-                       for k, v in scenario.model_dump(mode="json").items())
     body = (
         f"<p>{figures['nodes']} nodes, {figures['gpus']} GPUs, {scenario.days:g} virtual day(s), seed {scenario.seed}. "
         "Normal pods take the trace's shapes and lifetimes and arrive with a diurnal rate; the backfill run adds "
@@ -92,10 +87,9 @@ def write_backfill_report(comparison: BackfillComparison, path: Path) -> Path:
         f"<p><b>Allocation gain from backfill: {figures['allocation_gain_points']} points.</b> "
         f"Normal-pod wait change: p50 {figures['normal_wait_p50_change_pct']} %, "
         f"p95 {figures['normal_wait_p95_change_pct']} %.</p>"
-        f"<table><tr><th></th><th>no backfill</th><th>backfill</th></tr>{table}</table>"
-        f'<figure><img alt="allocation" src="data:image/png;base64,{_allocation_plot(comparison)}"></figure>'
-        f'<figure><img alt="waits" src="data:image/png;base64,{_wait_plot(comparison)}"></figure>'
-        f"<h2>Scenario settings</h2><table>{settings}</table>"
+        + comparison_table(["no backfill", "backfill"], comparison_rows(comparison))
+        + image("allocation", _allocation_plot(comparison)) + image("waits", _wait_plot(comparison))
+        + settings_table(scenario)
     )
     path.write_text(page("gpuplane: training cluster with low-priority backfill", body), encoding="utf-8")
     return path

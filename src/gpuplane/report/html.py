@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from pydantic import BaseModel
 
 from gpuplane.sim import ReplayMode, SimulationResult
 
@@ -205,6 +206,26 @@ img {{ max-width: 100%; }}
 {body}
 </body></html>
 """
+
+
+def settings_table(settings: BaseModel) -> str:
+    """A scenario's settings as an HTML table of field and value."""
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in settings.model_dump(mode="json").items())
+    return f"<h2>Scenario settings</h2><table>{rows}</table>"
+
+
+def comparison_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A table with one labelled row per figure and one column per run."""
+    header = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr><th>" + html.escape(row[0]) + "</th>"
+                   + "".join(f"<td>{html.escape(str(v))}</td>" for v in row[1:]) + "</tr>" for row in rows)
+    return f"<table><tr><th></th>{header}</tr>{body}</table>"
+
+
+def image(alt: str, data: str) -> str:
+    """A base64 PNG (from `png`) embedded as a figure."""
+    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
 
 
 def png(fig: Figure) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from gpuplane.report.html import page, png
+from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.tidal import TidalComparison
 
 ROWS: tuple[tuple[str, str], ...] = (
@@ -79,12 +79,8 @@ def write_tidal_report(comparison: TidalComparison, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     scenario = comparison.scenario
     figures = comparison.figures()
-    table = "".join(f"<tr><th>{html.escape(a)}</th><td>{b}</td><td>{c}</td></tr>"
-                    for a, b, c in comparison_rows(comparison))
     headline = "".join(f"<tr><th>{html.escape(a)}</th><td>{html.escape(b)}</td></tr>"
                        for a, b in headline_rows(comparison))
-    settings = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
-                       for k, v in scenario.model_dump(mode="json").items())
     body = (
         f"<p>{scenario.inference_nodes} inference nodes ({scenario.stable_nodes} stable, {scenario.tidal_nodes} "
         f"loanable) and {scenario.training_nodes} training nodes × {scenario.gpus_per_node} GPUs "
@@ -93,9 +89,8 @@ def write_tidal_report(comparison: TidalComparison, path: Path) -> Path:
         "runs the same controller with lending off. Figures leave out the first "
         f"{scenario.warmup_hours:g} h.</p>"
         f"<table>{headline}</table>"
-        f"<table><tr><th></th><th>baseline</th><th>tidal</th></tr>{table}</table>"
-        f'<figure><img alt="week" src="data:image/png;base64,{_week_plot(comparison)}"></figure>'
-        f"<h2>Scenario settings</h2><table>{settings}</table>"
+        + comparison_table(["baseline", "tidal"], comparison_rows(comparison))
+        + image("week", _week_plot(comparison)) + settings_table(scenario)
     )
     path.write_text(page("gpuplane: tidal deployment over a week", body), encoding="utf-8")
     return path
