@@ -218,3 +218,39 @@ def test_nvml_close_shuts_down_once(monkeypatch: pytest.MonkeyPatch) -> None:
     backend.close()
     backend.close()
     assert nvml.shutdowns == 1
+
+
+# -- gpuplane node-read: what the node agent reads, printed ---------------------------------------------
+
+
+def test_node_read_prints_what_nvml_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from gpuplane.cli.main import app
+
+    nvml = FakeNvml(samples=[sample(4242, 1000, 40)])
+    nvml.install(monkeypatch)
+    result = CliRunner().invoke(app, ["node-read", "--json"])
+    assert result.exit_code == 0, result.output
+    (card,) = json.loads(result.output)["cards"]
+    # 30 of 80 GiB used, 64 % busy; process 4242 holds 20 GiB at 40 % SM, 4343 does not report memory
+    assert (card["uuid"], card["used_bytes"], card["total_bytes"], card["util_pct"]) == (
+        "GPU-5a1b", 30 * GIB, 80 * GIB, 64.0)
+    assert card["processes"] == [{"pid": 4242, "used_bytes": 20 * GIB, "sm_util_pct": 40.0},
+                                 {"pid": 4343, "used_bytes": None, "sm_util_pct": None}]
+    assert nvml.shutdowns == 1
+    table = CliRunner().invoke(app, ["node-read"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "GPU-5a1b" in table.output and "30.0 / 80.0" in table.output
+
+
+def test_node_read_without_nvml_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from gpuplane.cli.main import app
+
+    FakeNvml(errors={"nvmlInit": pynvml.NVMLError_LibraryNotFound()}).install(monkeypatch)
+    result = CliRunner().invoke(app, ["node-read"])
+    assert result.exit_code == 2
+    assert "nvmlInit" in result.output

@@ -542,6 +542,45 @@ def node_guard(
         guard.stop(guard.clock())
         backend.close()
 
+
+@app.command("node-read")
+def node_read(
+    samples: Annotated[int, typer.Option(help="readings to take, one a second")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per reading")] = False,
+) -> None:
+    """Read this node's GPUs through NVML, as the node agent does, and print what was read."""
+    import dataclasses
+    import time
+
+    from gpuplane.node.gpu import NvmlBackend
+
+    try:
+        backend = NvmlBackend()
+        try:
+            for i in range(max(samples, 1)):
+                if i:
+                    time.sleep(1.0)
+                cards = backend.cards()
+                if as_json:
+                    print(json.dumps({"cards": [dataclasses.asdict(c) for c in cards]}))
+                    continue
+                table = Table(title=f"GPU reading {i + 1}")
+                for column in ("card", "uuid", "name", "memory used / total (GiB)", "util %", "enc / dec %",
+                               "processes (pid: GiB, SM %)"):
+                    table.add_column(column)
+                for c in cards:
+                    procs = ", ".join(f"{p.pid}: {'?' if p.used_bytes is None else f'{p.used_bytes / 2**30:.1f}'}, "
+                                      f"{'?' if p.sm_util_pct is None else f'{p.sm_util_pct:g}'}" for p in c.processes)
+                    table.add_row(str(c.index), c.uuid, c.name,
+                                  f"{c.used_bytes / 2**30:.1f} / {c.total_bytes / 2**30:.1f}", str(c.util_pct),
+                                  f"{c.enc_util_pct} / {c.dec_util_pct}", procs or "none")
+                out.print(table)
+        finally:
+            backend.close()
+    except GpuplaneError as exc:
+        _fail(str(exc))
+
+
 def _fail(message: str) -> NoReturn:
     err.print(f"[red]error:[/] {message}")
     raise typer.Exit(2)

@@ -15,9 +15,11 @@ from typing import Any, Protocol, TypeVar
 
 import pynvml
 
+from gpuplane.controllers.colocation import GIB
 from gpuplane.model import GpuplaneError
 
-GIB = 1 << 30
+__all__ = ["GIB", "CardReading", "FakeGpuBackend", "GpuBackend", "GpuBackendError", "GpuProcess", "NvmlBackend"]
+
 T = TypeVar("T")
 
 
