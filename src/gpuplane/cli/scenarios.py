@@ -160,6 +160,24 @@ def run_colocation_scenario(settings: BaseModel, trace: str, nodes_path: Path | 
                           f"colocation: {settings.cards} card(s), {settings.days:g} day(s)", summary, (placement,))
 
 
+def run_autoscale_scenario(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path,
+                           err: Console, quiet: bool) -> ScenarioOutput:
+    from gpuplane.report.autoscale import comparison_rows, write_autoscale_report
+    from gpuplane.sim.autoscale import AutoscaleScenario, run_autoscale
+
+    assert isinstance(settings, AutoscaleScenario)
+    progress, tick = _progress("autoscale", err, quiet)
+    with progress:
+        comparison = run_autoscale(settings, progress=lambda done, total: tick("policy x service", done, total))
+    report = write_autoscale_report(comparison, out_dir / "report.html")
+    figures = comparison.figures() | {"report": str(report)}
+    summary = (f"GPU scaler: shortage {figures['gpu_scaler_shortage_cut_vs_static_pct']} % below static "
+               f"provisioning for the average, GPU-hours {figures['gpu_scaler_gpu_hours_vs_oracle_pct']} % against "
+               f"the oracle; goals met: {figures['goals_met']}")
+    return ScenarioOutput(figures, report, comparison_rows(comparison), tuple(comparison.runs),
+                          f"autoscale: {settings.services} services, {settings.days:g} day(s)", summary)
+
+
 @dataclass(frozen=True, slots=True)
 class ScenarioKind:
     model: type[BaseModel]
@@ -167,12 +185,14 @@ class ScenarioKind:
 
 
 def scenario_kinds() -> dict[str, ScenarioKind]:
+    from gpuplane.sim.autoscale import AutoscaleScenario
     from gpuplane.sim.colocation import ColocationScenario
     from gpuplane.sim.tidal import TidalScenario
 
     return {"training-backfill": ScenarioKind(BackfillScenario, run_training_backfill),
             "tidal": ScenarioKind(TidalScenario, run_tidal_scenario),
-            "colocation": ScenarioKind(ColocationScenario, run_colocation_scenario)}
+            "colocation": ScenarioKind(ColocationScenario, run_colocation_scenario),
+            "autoscale": ScenarioKind(AutoscaleScenario, run_autoscale_scenario)}
 
 
 def print_output(out: Console, output: ScenarioOutput) -> None:

@@ -94,7 +94,7 @@ class ColocationScenarioError(ScenarioError):
 class ColocationScenario(BaseModel):
     """Every parameter of the co-location scenario; defaults are the issue's values. Loadable from YAML."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     days: float = Field(default=1.0, gt=0, le=14)
     cards: int = Field(default=1, ge=1, le=64, description="independent shared cards, one seed each")
