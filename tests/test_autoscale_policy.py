@@ -531,6 +531,14 @@ SCALER_CASES: dict[str, tuple[dict[str, Any], list[tuple[Reading, Expected]]]] =
         ((60.0, None, None), (70.0, True, FALLBACK)),
         ((75.0, 0.0, None), (0.0, False, METRIC)),  # a good reading: back to the activity clock (never active)
     ]),
+    # a failed GPU metric with a working activation query: the gateway's reading decides activity
+    "a-failure-with-an-idle-gateway": (NON_PROD, [
+        ((0.0, 80.0, 5.0), (80.0, True, METRIC)),  # last active at 0
+        ((100.0, None, 0.0), (80.0, True, LAST_GOOD)),  # 100 - 0 <= 300: still active
+        ((400.0, None, 0.0), (80.0, False, LAST_GOOD)),  # 400 - 0 > 300 and the gateway saw nothing: idle
+        ((415.0, None, None), (80.0, True, LAST_GOOD)),  # failure 3, activity unknown: active
+        ((430.0, None, 2.0), (70.0, True, FALLBACK)),  # failure 4 > 3: fallback; the gateway sees demand
+    ]),
     "failures-do-not-refresh-activity": (NON_PROD, [
         ((0.0, 80.0, None), (80.0, True, METRIC)),  # last active at 0
         ((100.0, None, None), (80.0, True, LAST_GOOD)),
@@ -566,3 +574,10 @@ def test_failure_reports_carry_the_reason() -> None:
     assert (report.source, report.value) == (LAST_GOOD, 42.0)
     assert report.error is not None and "nan" in report.error
     assert (policy.last_good, policy.failures) == (42.0, 1)
+
+
+def test_an_overflowing_ratio_asks_for_the_int32_maximum() -> None:
+    # 1.7e308 / 0.5 overflows a float: kube's int32 maximum, which the HPA's policies and max then limit
+    assert average_value_replicas(1.7e308, 0.5, 3, 0.1) == 2**31 - 1
+    # from 3: max(3 + 4 pods, 3 x 200 %) = 7 in the first 15 s
+    assert Hpa(HpaSpec(max_replicas=40)).step(0.0, 3, average_value_replicas(1.7e308, 0.5, 3, 0.1)) == 7

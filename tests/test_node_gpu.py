@@ -90,6 +90,10 @@ class FakeNvml:
     errors: dict[str, pynvml.NVMLError] = field(default_factory=dict)
     timestamps_asked: list[int] = field(default_factory=list)
     shutdowns: int = 0
+    events: list[SimpleNamespace] = field(default_factory=list)
+    """Xid events waiting in the (one) event set, oldest first."""
+    registered: list[str] = field(default_factory=list)
+    event_sets_freed: int = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def fn(name: str, result: Callable[..., Any]) -> None:
@@ -115,13 +119,35 @@ class FakeNvml:
             SimpleNamespace(pid=4343, usedGpuMemory=None, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
         ])
         fn("nvmlDeviceGetProcessUtilization", self._utilisation)
+        fn("nvmlDeviceGetPciInfo", lambda h: SimpleNamespace(busId="00000000:3B:00.0", busIdLegacy="0000:3B:00.0"))
+        fn("nvmlDeviceGetTemperature", lambda h, sensor: 41 if sensor == pynvml.NVML_TEMPERATURE_GPU else -1)
+        fn("nvmlDeviceGetPowerUsage", lambda h: 312_456)  # milliwatts
+        fn("nvmlEventSetCreate", lambda: "event-set")
+        fn("nvmlDeviceRegisterEvents", lambda h, types, event_set: self.registered.append(h))
+        fn("nvmlEventSetWait_v2", self._wait)
+        fn("nvmlEventSetFree", self._free)
+        fn("nvmlDeviceGetIndex", lambda h: int(h.removeprefix("handle-")))
 
     def _shutdown(self) -> None:
         self.shutdowns += 1
 
+    def _wait(self, event_set: str, timeout_ms: int) -> SimpleNamespace:
+        assert timeout_ms == 0, "the backend must never block on events"
+        if not self.events:
+            raise pynvml.NVMLError_Timeout()
+        return self.events.pop(0)
+
+    def _free(self, event_set: str) -> None:
+        self.event_sets_freed += 1
+
     def _utilisation(self, handle: str, since: int) -> list[SimpleNamespace]:
         self.timestamps_asked.append(since)
         return [s for s in self.samples if s.timeStamp > since]
+
+
+def xid(card: int, value: int, event_type: int = pynvml.nvmlEventTypeXidCriticalError) -> SimpleNamespace:
+    return SimpleNamespace(device=f"handle-{card}", eventType=event_type, eventData=value, gpuInstanceId=0xFFFFFFFF,
+                           computeInstanceId=0xFFFFFFFF)
 
 
 def sample(pid: int, stamp: int, sm: int) -> SimpleNamespace:
@@ -145,16 +171,20 @@ def test_nvml_reading_maps_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
         free_bytes=50 * GIB, util_pct=64.0, enc_util_pct=7.0, dec_util_pct=3.0,
         # 4242: the newer of its two samples (t=2000: 85 %); 4343: memory not reported
         processes=(GpuProcess(4242, 20 * GIB, 85.0), GpuProcess(4343, None, 10.0)),
+        # 312 456 mW -> 312.456 W; Xids are not watched unless asked for
+        pci_bus_id="00000000:3B:00.0", temperature_c=41.0, power_w=312.456, gr_engine_active=None, xid_last=None,
     )
 
 
 def test_nvml_not_supported_reads_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml = FakeNvml(errors={name: pynvml.NVMLError_NotSupported() for name in (
         "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetDecoderUtilization",
-        "nvmlDeviceGetProcessUtilization")})
+        "nvmlDeviceGetProcessUtilization", "nvmlDeviceGetPciInfo", "nvmlDeviceGetTemperature",
+        "nvmlDeviceGetPowerUsage")})
     nvml.install(monkeypatch)
     (card,) = NvmlBackend().cards()
     assert (card.util_pct, card.enc_util_pct, card.dec_util_pct) == (None, None, None)
+    assert (card.pci_bus_id, card.temperature_c, card.power_w) == (None, None, None)
     assert [p.sm_util_pct for p in card.processes] == [None, None]
 
 
@@ -194,6 +224,9 @@ def test_nvml_asks_for_samples_since_the_newest_and_holds_them_a_while(monkeypat
         ("nvmlDeviceGetComputeRunningProcesses", pynvml.NVMLError_NoPermission()),
         ("nvmlDeviceGetProcessUtilization", pynvml.NVMLError_Timeout()),
         ("nvmlDeviceGetUUID", pynvml.NVMLError_GpuIsLost()),
+        ("nvmlDeviceGetPciInfo", pynvml.NVMLError_GpuIsLost()),
+        ("nvmlDeviceGetTemperature", pynvml.NVMLError_Unknown()),
+        ("nvmlDeviceGetPowerUsage", pynvml.NVMLError_GpuIsLost()),
     ],
 )
 def test_nvml_errors_become_backend_errors_naming_the_call(monkeypatch: pytest.MonkeyPatch, function: str,
@@ -203,6 +236,52 @@ def test_nvml_errors_become_backend_errors_naming_the_call(monkeypatch: pytest.M
     with pytest.raises(GpuBackendError, match=f"^{function}: ") as caught:
         backend.cards()
     assert isinstance(caught.value.__cause__, pynvml.NVMLError)
+
+
+def test_nvml_busid_as_bytes_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml().install(monkeypatch)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetPciInfo", lambda h: SimpleNamespace(busId=b"00000000:C1:00.0"))
+    assert NvmlBackend().cards()[0].pci_bus_id == "00000000:C1:00.0"
+
+
+def test_nvml_xid_events_give_the_last_xid_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = FakeNvml()
+    nvml.install(monkeypatch)
+    backend = NvmlBackend(xid_events=True)
+    assert nvml.registered == ["handle-0"]
+    assert backend.cards()[0].xid_last == 0  # watched, nothing seen yet
+    nvml.events += [xid(0, 79), xid(0, 13)]
+    assert backend.cards()[0].xid_last == 13  # both drained in one reading; the last one wins
+    nvml.events.append(xid(0, 999, event_type=pynvml.nvmlEventTypeSingleBitEccError))  # not an Xid: ignored
+    assert backend.cards()[0].xid_last == 13
+    assert nvml.events == []
+    backend.close()
+    backend.close()
+    assert (nvml.event_sets_freed, nvml.shutdowns) == (1, 1)
+
+
+def test_nvml_xid_events_not_supported_read_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml(errors={"nvmlDeviceRegisterEvents": pynvml.NVMLError_NotSupported()}).install(monkeypatch)
+    assert NvmlBackend(xid_events=True).cards()[0].xid_last is None
+
+
+@pytest.mark.parametrize("function", ["nvmlEventSetCreate", "nvmlDeviceRegisterEvents"])
+def test_nvml_xid_setup_failure_fails_the_backend_and_shuts_nvml_down(monkeypatch: pytest.MonkeyPatch,
+                                                                       function: str) -> None:
+    nvml = FakeNvml(errors={function: pynvml.NVMLError_NoPermission()})
+    nvml.install(monkeypatch)
+    with pytest.raises(GpuBackendError, match=f"^{function}: "):
+        NvmlBackend(xid_events=True)
+    assert nvml.shutdowns == 1
+
+
+def test_nvml_xid_wait_failure_is_a_backend_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = FakeNvml()
+    nvml.install(monkeypatch)
+    backend = NvmlBackend(xid_events=True)
+    nvml.errors["nvmlEventSetWait_v2"] = pynvml.NVMLError_GpuIsLost()
+    with pytest.raises(GpuBackendError, match=r"^nvmlEventSetWait_v2: "):
+        backend.cards()
 
 
 def test_nvml_init_failure_is_a_gpuplane_error(monkeypatch: pytest.MonkeyPatch) -> None:

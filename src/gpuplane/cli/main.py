@@ -581,6 +581,95 @@ def node_read(
         _fail(str(exc))
 
 
+@app.command("node-exporter")
+def node_exporter(
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to serve /metrics on (dcgm-exporter's)")] = 9400,
+    addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    hostname: Annotated[str | None, typer.Option(help="the Hostname label [default: $NODE_NAME, else the host "
+                                                      "name]")] = None,
+    pods: Annotated[Path | None, typer.Option("--pods", help="card -> pod mapping (YAML: cards: {0: {pod, "
+                                                              "namespace, container}})")] = None,
+) -> None:
+    """Serve this node's GPU metrics (NVML) in dcgm-exporter's names and labels until Ctrl-C or SIGTERM."""
+    import logging
+    import signal
+    import threading
+
+    from gpuplane.node.exporter import Exporter, load_pod_map
+    from gpuplane.node.gpu import NvmlBackend
+
+    try:
+        mapper = load_pod_map(pods) if pods is not None else None
+        backend = NvmlBackend(xid_events=True)
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exporter = Exporter(backend, hostname=hostname, pods=mapper)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        try:
+            server, _ = exporter.start(port, addr)
+        except OSError as exc:
+            _fail(f"--port {port}: {exc}")
+        err.print(f"serving GPU metrics on http://{addr}:{server.server_port}/metrics "
+                  f"(Hostname={exporter.collector.hostname})")
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        exporter.stop()
+        backend.close()
+
+
+@app.command("scaler")
+def scaler(
+    config: Annotated[Path, typer.Option("--config", help="Prometheus URL and scaled objects (YAML)")],
+    port: Annotated[int, typer.Option(min=0, max=65535, help="gRPC port KEDA's scalerAddress points at")] = 9091,
+    addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535,
+                                                     help="serve the scaler's Prometheus metrics on this port")]
+        = None,
+) -> None:
+    """Serve the GPU scaler (a KEDA external scaler over Prometheus queries) until Ctrl-C or SIGTERM."""
+    import logging
+    import signal
+    import threading
+
+    from gpuplane.scaler.service import GpuScaler, load_scaler_config
+
+    try:
+        settings = load_scaler_config(config)
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = GpuScaler(settings)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        try:
+            bound = service.start(port, addr)
+        except GpuplaneError as exc:
+            _fail(f"--port {port}: {exc}")
+        if metrics_port is not None:
+            try:
+                metrics_server, _ = service.start_metrics_server(metrics_port, addr)
+            except OSError as exc:
+                _fail(f"--metrics-port {metrics_port}: {exc}")
+            err.print(f"scaler metrics on http://{addr}:{metrics_server.server_port}/metrics")
+        err.print(f"GPU scaler serving {', '.join(service.objects)} on {addr}:{bound} "
+                  f"(Prometheus {settings.prometheus_url})")
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        service.stop()
+
+
 def _fail(message: str) -> NoReturn:
     err.print(f"[red]error:[/] {message}")
     raise typer.Exit(2)

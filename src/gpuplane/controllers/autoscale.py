@@ -12,10 +12,10 @@ Pure and clock-injected: the simulator (`gpuplane.sim.autoscale`) and the GPU sc
 - `ScalerPolicy` is what the GPU scaler reports for one scaled object from a metric reading: the value, and
   whether the object is active. A failed reading (Prometheus down, an empty result, a dead exporter) is
   never read as zero: the last good value is kept for `failure_threshold` failed readings (KEDA's
-  `failureThreshold`: fallback once failures exceed it), then the fallback
-  (`target × fallback_replicas`, what KEDA's fallback feeds the HPA) is reported, and the object stays
-  active. Only a non-production object is ever reported inactive, and only after `idle_cooldown_s`
-  without activity.
+  `failureThreshold`: fallback once failures exceed it), then the fallback (`target × fallback_replicas`,
+  what KEDA's fallback feeds the HPA) is reported. The object stays active unless its activation query
+  (which sees demand without the service's own pods) says it is idle. Only a non-production object is
+  ever reported inactive, and only after `idle_cooldown_s` without activity.
 """
 
 from __future__ import annotations
@@ -80,6 +80,10 @@ class HpaSpec(BaseModel):
         return self
 
 
+_MAX_REPLICAS = 2**31 - 1
+"""Kubernetes counts replicas in an int32."""
+
+
 def _within(ratio: float, tolerance: float) -> bool:
     """Kubernetes' tolerance test, 1 − t ≤ ratio ≤ 1 + t (so a ratio of exactly 1.1 keeps the count)."""
     return 1.0 - tolerance <= ratio <= 1.0 + tolerance
@@ -92,7 +96,10 @@ def average_value_replicas(total: float, target: float, current: int, tolerance:
         raise ValueError(f"target must be positive, got {target}")
     if current > 0 and _within(total / (target * current), tolerance):
         return current
-    return math.ceil(total / target - 1e-9)
+    wanted = total / target
+    if not math.isfinite(wanted) or wanted >= _MAX_REPLICAS:
+        return _MAX_REPLICAS  # the HPA's max clamps it
+    return math.ceil(wanted - 1e-9)
 
 
 def utilization_replicas(utilization: float, target: float, current: int, tolerance: float) -> int:
@@ -273,9 +280,16 @@ class ScalerPolicy:
             return ScalerReport(value, self._active(now), ReadingSource.METRIC)
         self.failures += 1
         reason = error or f"non-finite value {value!r}"
+        # A failed metric says nothing about demand: active, unless an activation reading says otherwise
+        # (a non-production service at zero replicas has no GPU metric, but its gateway still counts requests).
+        active = True
+        if activity is not None and math.isfinite(activity):
+            if activity > spec.activation_threshold:
+                self.last_active = now
+            active = self._active(now)
         if self.last_good is not None and self.failures <= spec.failure_threshold:
-            return ScalerReport(self.last_good, True, ReadingSource.LAST_GOOD, reason)
-        return ScalerReport(spec.target * spec.fallback_replicas, True, ReadingSource.FALLBACK, reason)
+            return ScalerReport(self.last_good, active, ReadingSource.LAST_GOOD, reason)
+        return ScalerReport(spec.target * spec.fallback_replicas, active, ReadingSource.FALLBACK, reason)
 
     def _active(self, now: float) -> bool:
         """Production: always. Otherwise: activity (a value above the activation threshold, strictly, as

@@ -7,6 +7,7 @@ an `NVMLError`, so an agent needs to survive one exception type only.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,9 @@ from gpuplane.model import GpuplaneError
 __all__ = ["GIB", "CardReading", "FakeGpuBackend", "GpuBackend", "GpuBackendError", "GpuProcess", "NvmlBackend"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_MAX_EVENTS_PER_READ = 1024
+"""Xid events drained per `cards()` call at most; a storm beyond this is read on the next call."""
 
 
 class GpuBackendError(GpuplaneError):
@@ -38,7 +42,9 @@ class GpuProcess:
 
 @dataclass(frozen=True, slots=True)
 class CardReading:
-    """One card at one moment; memory in bytes, utilisation in percent (None where the card cannot tell)."""
+    """One card at one moment; memory in bytes, utilisation in percent (None where the card cannot tell).
+
+    The fields after `processes` are optional for a backend: None means "this backend does not report it"."""
 
     index: int
     uuid: str
@@ -50,6 +56,18 @@ class CardReading:
     enc_util_pct: float | None
     dec_util_pct: float | None
     processes: tuple[GpuProcess, ...]
+    pci_bus_id: str | None = None
+    """NVML's and DCGM's form, e.g. "00000000:3B:00.0"."""
+    temperature_c: float | None = None
+    """GPU core temperature, °C."""
+    power_w: float | None = None
+    """Board power draw, W."""
+    gr_engine_active: float | None = None
+    """Ratio 0–1 of time the graphics/compute engine was active (DCGM's profiling field 1001); `NvmlBackend`
+    does not read it (NVML has it only through GPM sampling, Hopper and newer)."""
+    xid_last: int | None = None
+    """The last Xid error seen on the card since the backend started, 0 for none; None when Xids are not
+    watched (see `NvmlBackend`'s `xid_events`)."""
 
 
 class GpuBackend(Protocol):
@@ -85,9 +103,15 @@ class NvmlBackend:
     Per-process SM utilisation comes from `nvmlDeviceGetProcessUtilization`, which returns only the samples
     taken since the last call's newest timestamp; a process with no new sample keeps its last one for
     `sample_hold_s` (by `clock`), so that a reading between two driver samples does not show a busy
-    process as idle."""
+    process as idle.
 
-    def __init__(self, *, sample_hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    With `xid_events`, the backend registers for NVML's Xid critical-error events on every card that
+    supports them and drains them, without waiting, on each `cards()` call: `xid_last` is the last Xid seen
+    since the backend started (0 for none; None on a card that cannot deliver Xid events). Without it,
+    `xid_last` is None on every card."""
+
+    def __init__(self, *, sample_hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 xid_events: bool = False) -> None:
         _nvml("nvmlInit", pynvml.nvmlInit)
         self._open = True
         self._hold_s = sample_hold_s
@@ -95,15 +119,59 @@ class NvmlBackend:
         self._last_timestamp: dict[int, int] = {}
         self._samples: dict[int, dict[int, tuple[float, float]]] = {}
         """card -> pid -> (SM %, when it was read)."""
+        self._event_set: Any = None
+        self._xid: dict[int, int] = {}
+        """card -> last Xid (0: none yet), for the cards registered for Xid events."""
+        if xid_events:
+            try:
+                self._watch_xids()
+            except GpuBackendError:
+                self.close()
+                raise
 
     def cards(self) -> list[CardReading]:
+        if self._event_set is not None:
+            self._drain_xids()
         count = int(_nvml("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount))
         return [self._card(index) for index in range(count)]
 
     def close(self) -> None:
         if self._open:
             self._open = False
+            if self._event_set is not None:
+                event_set, self._event_set = self._event_set, None
+                try:
+                    pynvml.nvmlEventSetFree(event_set)
+                except pynvml.NVMLError as exc:
+                    log.warning("nvmlEventSetFree: %s", exc)
             _nvml("nvmlShutdown", pynvml.nvmlShutdown)
+
+    def _watch_xids(self) -> None:
+        self._event_set = _nvml("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
+        count = int(_nvml("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount))
+        for index in range(count):
+            handle = _nvml("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index)
+            try:
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._event_set)
+            except pynvml.NVMLError_NotSupported:
+                log.info("card %d: Xid events not supported; its last Xid is not reported", index)
+                continue
+            except pynvml.NVMLError as exc:
+                raise GpuBackendError(f"nvmlDeviceRegisterEvents: {exc}") from exc
+            self._xid[index] = 0
+
+    def _drain_xids(self) -> None:
+        for _ in range(_MAX_EVENTS_PER_READ):
+            try:
+                event = pynvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except pynvml.NVMLError_Timeout:
+                return
+            except pynvml.NVMLError as exc:
+                raise GpuBackendError(f"nvmlEventSetWait_v2: {exc}") from exc
+            if int(event.eventType) & pynvml.nvmlEventTypeXidCriticalError:
+                index = int(_nvml("nvmlDeviceGetIndex", pynvml.nvmlDeviceGetIndex, event.device))
+                self._xid[index] = int(event.eventData)
+                log.warning("card %d: Xid %d", index, int(event.eventData))
 
     def _card(self, index: int) -> CardReading:
         handle = _nvml("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index)
@@ -112,6 +180,10 @@ class NvmlBackend:
         encoder = _nvml_optional("nvmlDeviceGetEncoderUtilization", pynvml.nvmlDeviceGetEncoderUtilization, handle)
         decoder = _nvml_optional("nvmlDeviceGetDecoderUtilization", pynvml.nvmlDeviceGetDecoderUtilization, handle)
         running = _nvml("nvmlDeviceGetComputeRunningProcesses", pynvml.nvmlDeviceGetComputeRunningProcesses, handle)
+        pci = _nvml_optional("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle)
+        temperature = _nvml_optional("nvmlDeviceGetTemperature", pynvml.nvmlDeviceGetTemperature, handle,
+                                     pynvml.NVML_TEMPERATURE_GPU)
+        power_mw = _nvml_optional("nvmlDeviceGetPowerUsage", pynvml.nvmlDeviceGetPowerUsage, handle)
         sm = self._sm_util(index, handle)
         processes = tuple(
             GpuProcess(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory), sm.get(int(p.pid)))
@@ -128,6 +200,10 @@ class NvmlBackend:
             enc_util_pct=None if encoder is None else float(encoder[0]),
             dec_util_pct=None if decoder is None else float(decoder[0]),
             processes=processes,
+            pci_bus_id=None if pci is None else _text(pci.busId),
+            temperature_c=None if temperature is None else float(temperature),
+            power_w=None if power_mw is None else float(power_mw) / 1000.0,
+            xid_last=self._xid.get(index),
         )
 
     def _sm_util(self, index: int, handle: object) -> dict[int, float]:
@@ -155,6 +231,11 @@ class NvmlBackend:
         for pid in [p for p, (_, seen) in held.items() if now - seen > self._hold_s]:
             del held[pid]
         return {pid: util for pid, (util, _) in held.items()}
+
+
+def _text(value: str | bytes) -> str:
+    """pynvml hands out C strings as str or bytes depending on the field and the version."""
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""The GPU scaler: Prometheus queries in, KEDA external-scaler answers out (gRPC)."""
