@@ -505,6 +505,101 @@ def bench_guard(
     _print_figures("gpuplane bench guard", run_guard_bench(samples, poll_s, offline, seed), as_json)
 
 
+@bench_app.command("classify")
+def bench_classify(
+    lines: Annotated[int, typer.Option(help="lines in the mixed log (about 1 % match a signature)")] = 1_000_000,
+    repeats: Annotated[int, typer.Option(help="runs over the same log; the median is printed")] = 3,
+    seed: SeedOpt = 42,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Failure-classifier throughput: lines per second over a deterministic mixed training log."""
+    from gpuplane.cli.bench import run_classify_bench
+
+    if lines < 1 or repeats < 1:
+        _fail("--lines and --repeats must be at least 1")
+    if not as_json:
+        err.print(f"building a {lines:,}-line log and classifying it {repeats} times …")
+    figures = run_classify_bench(lines, seed, repeats)
+    _print_figures(f"gpuplane bench classify ({lines:,} lines, median of {repeats})", figures, as_json)
+
+
+@app.command("classify")
+def classify(
+    files: Annotated[list[Path], typer.Argument(help="log files (plain or .gz), one node's each")],
+    node: Annotated[str | None, typer.Option(help="node name for every file (default: each file's name "
+                                                  "without its suffixes)")] = None,
+    signatures: Annotated[list[Path] | None, typer.Option(
+        "--signatures", help="signature file extending or overriding the bundled library (repeatable)")] = None,
+    top: Annotated[int, typer.Option(min=1, help="unmatched templates and matches to print")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Classify a failed job's logs: the first error's signature, action and blamed nodes, and the most
+    frequent unmatched lines (new problems to write signatures for)."""
+    import gzip
+    from dataclasses import asdict
+
+    from rich.markup import escape
+
+    from gpuplane.controllers.classifier import FailureClassifier, line_timestamp
+    from gpuplane.model.failures import load_signature_library
+
+    try:
+        library = load_signature_library(extra=signatures or [])
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    classifier = FailureClassifier(library, line_time=line_timestamp)
+    for path in files:
+        name = node or path.name.split(".")[0] or path.name
+        try:
+            with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as handle:
+                for line in handle:
+                    classifier.feed_line(name, line)
+        except (OSError, EOFError) as exc:
+            _fail(f"{path}: {exc}")
+    verdict = classifier.verdict()
+    stats = classifier.stats()
+    unmatched = classifier.unmatched_report(top)
+    by_signature: dict[str, int] = {}
+    for match in verdict.matches:
+        by_signature[match.signature.id] = by_signature.get(match.signature.id, 0) + 1
+    if as_json:
+        data = verdict.to_dict()
+        data["matches"] = data["matches"][:top]
+        print(json.dumps({"verdict": data, "matches_by_signature": by_signature, "stats": asdict(stats),
+                          "unmatched": [{"template": u.template, "count": u.count} for u in unmatched]}))
+        return
+    cause = verdict.cause
+    table = Table(title="verdict (the first error wins)", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    table.add_row("signature", "unknown (no signature matched)" if verdict.signature is None
+                  else escape(f"{verdict.signature.id}: {verdict.signature.description}"))
+    table.add_row("action", verdict.action.value)
+    table.add_row("class", "-" if verdict.failure_class is None else verdict.failure_class.value)
+    table.add_row("blamed nodes", escape(", ".join(verdict.blamed_nodes)) or "none")
+    if cause is not None:
+        table.add_row("first seen", escape(f"{cause.node}: {cause.evidence}"))
+    out.print(table)
+    if by_signature:
+        matches = Table(title=f"matches ({sum(by_signature.values()):,})")
+        for column in ("signature", "count", "action", "class"):
+            matches.add_column(column)
+        for signature_id, count in sorted(by_signature.items(), key=lambda kv: -kv[1])[:top]:
+            signature = library[signature_id]
+            matches.add_row(signature_id, f"{count:,}", signature.action.value, signature.failure_class.value)
+        out.print(matches)
+    if unmatched:
+        report = Table(title=f"unmatched lines: {stats.unmatched_lines:,} in {stats.unmatched_templates:,} "
+                             "templates (most frequent first)")
+        report.add_column("count", justify="right")
+        report.add_column("template (digits -> N, hex -> X)")
+        for item in unmatched:
+            report.add_row(f"{item.count:,}", escape(item.template))
+        out.print(report)
+    err.print(f"{stats.lines:,} lines, {stats.matched_lines:,} matched, {stats.truncated_lines:,} cut to 4 KiB, "
+              f"{len(library)} signatures")
+
+
 @app.command("node-guard")
 def node_guard(
     config: Annotated[Path, typer.Option("--config", help="guard settings and containers (YAML)")],

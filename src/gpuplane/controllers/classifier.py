@@ -1,0 +1,545 @@
+"""The failure classifier: a signature library applied to streams of log lines, Xid events and exit codes.
+
+Feed it everything a failed job left behind, on every node (`feed_line`, `feed_xid`, `feed_exit`), then ask
+for the `verdict()`: the first error wins (fault-tolerance.md §4.1), later errors are echoes.
+
+Speed. Almost every line matches nothing, so an unmatched line costs one `re.search` of a prefilter: a trie
+of literals, one that every match of each signature must contain (`Signature.literals`, extracted from the
+parsed pattern), each trimmed to start at a character that is rare in logs so the regex engine's first-
+character scan skips most positions. Only lines that pass the prefilter are decoded and tried against the
+signatures whose literals they contain. Unmatched lines are counted by template (numbers -> `N`, hex ids
+-> `X`); the template of a line is cached under the line with its digits and hex letters folded, so the
+normalising regexes run once per new shape of line, not once per line.
+
+Bad input never raises: bytes are decoded with errors="replace" and only when a line passed the prefilter,
+lines are cut to `max_line_bytes` (counted in `stats().truncated_lines`), NUL bytes are just bytes.
+
+Controllers layer: imports the model only.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpuplane.model.failures import (
+    EXIT_LINE,
+    PREFILTER_KEEP,
+    SIGNAL_LINE,
+    XID_LINE,
+    FailureAction,
+    FailureClass,
+    Signature,
+    SignatureLibrary,
+    char_cost,
+    line_events,
+    literal_cost,
+    required_literals,
+)
+
+INF = float("inf")
+#: Characters of an unmatched line that make its template.
+TEMPLATE_CHARS = 160
+#: Characters of a matched line kept as evidence.
+EVIDENCE_CHARS = 512
+#: The template cache's key: the line with digits and hex letters folded, so lines that differ only in
+#: numbers and hex ids share one entry (and, rarely, lines that differ only in letters a-f at the same places).
+_FOLD = bytes.maketrans(b"123456789abcdefABCDEF", b"000000000aaaaaaAAAAAA")
+_KEY_CACHE = 1 << 16
+_DECIMAL = re.compile(rb"[0-9]+\.[0-9]+(?:[eE][-+]?[0-9]+)?")
+_WORD = re.compile(rb"[0-9A-Za-z]+")
+_HEX_RUN = re.compile(rb"(?=[0-9a-fA-F]{0,63}[0-9])[0-9a-fA-F]{6,}")
+_DIGIT_RUN = re.compile(rb"[0-9]+")
+_BLANKS = re.compile(rb"[ \t]+")
+_HEX_CHARS = frozenset(b"0123456789abcdefABCDEF")
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureMatch:
+    """One piece of evidence a signature recognised.
+
+    `t` is the time given (or read from the line, or the node's last known time; None when unknown),
+    `seq` the feed order, `action` the signature's action or, when it repeated enough, its escalation's.
+    """
+
+    signature: Signature
+    node: str
+    t: float | None
+    seq: int
+    action: FailureAction
+    evidence: str
+    escalated: bool = False
+
+    @property
+    def blames_node(self) -> bool:
+        """Whether this match blames its node: a blaming signature (or an escalation to isolate-node) that
+        is neither tolerated (log-only) nor an echo."""
+        if self.action is FailureAction.LOG_ONLY or self.signature.echo:
+            return False
+        return self.signature.blame_node or (self.escalated and self.action is FailureAction.ISOLATE_NODE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signature": self.signature.id, "node": self.node, "t": self.t, "seq": self.seq,
+                "action": self.action.value, "class": self.signature.failure_class.value,
+                "escalated": self.escalated, "evidence": self.evidence}
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """The verdict on one incident.
+
+    `signature`/`cause` is the first error (None: nothing but tolerated or no evidence matched; then the
+    action is restart-job and the failure counts as unknown). `blamed_nodes` lists every node a blaming
+    match was seen on, the earliest first (the cause's node first when the cause blames one).
+    `matches` is the evidence in feed order (the first `max_matches` of the incident).
+    """
+
+    signature: Signature | None
+    action: FailureAction
+    failure_class: FailureClass | None
+    blamed_nodes: tuple[str, ...]
+    matches: tuple[SignatureMatch, ...]
+    cause: SignatureMatch | None = None
+
+    @property
+    def unknown(self) -> bool:
+        return self.signature is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"signature": None if self.signature is None else self.signature.id,
+                "description": None if self.signature is None else self.signature.description,
+                "action": self.action.value,
+                "class": None if self.failure_class is None else self.failure_class.value,
+                "blamed_nodes": list(self.blamed_nodes), "unknown": self.unknown,
+                "critical": bool(self.signature is not None and self.signature.critical),
+                "cause": None if self.cause is None else self.cause.to_dict(),
+                "matches": [m.to_dict() for m in self.matches]}
+
+
+@dataclass(frozen=True, slots=True)
+class UnmatchedTemplate:
+    template: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifierStats:
+    """Counters since the classifier was made (`reset()` keeps them).
+
+    `dropped_templates`/`dropped_template_lines`: templates (and their lines) pushed out of the bounded
+    unmatched report by more frequent ones; a template that comes back starts counting again from zero.
+    """
+
+    lines: int
+    matched_lines: int
+    unmatched_lines: int
+    truncated_lines: int
+    candidate_lines: int
+    events: int
+    matched_events: int
+    incidents: int
+    unknown_failures: int
+    unmatched_templates: int
+    dropped_templates: int
+    dropped_template_lines: int
+    dropped_matches: int
+
+
+class FailureClassifier:
+    """Streaming classification of one incident at a time; see the module docstring.
+
+    `line_time(text)`, when given, reads a timestamp out of a matched line fed without `t` (e.g.
+    `line_timestamp`); otherwise such a match takes its node's last known time. Matches with no time at
+    all rank after every dated one.
+    """
+
+    def __init__(self, library: SignatureLibrary, *, max_line_bytes: int = 4096, max_templates: int = 1000,
+                 max_matches: int = 10_000, line_time: Callable[[str], float | None] | None = None) -> None:
+        if max_line_bytes < 64 or max_templates < 1 or max_matches < 1:
+            raise ValueError("max_line_bytes must be at least 64, max_templates and max_matches at least 1")
+        self.library = library
+        self._cap = max_line_bytes
+        self._max_templates = max_templates
+        self._max_matches = max_matches
+        self._line_time = line_time
+        self._patterns: list[Signature] = [s for s in library if s.regex is not None]
+        owned: list[tuple[str, bool, int]] = [
+            (text, ci, i) for i, s in enumerate(self._patterns) for text, ci in s.literals]
+        owned += [(text, ci, STRUCTURED) for rx in (XID_LINE, EXIT_LINE, SIGNAL_LINE)
+                  for text, ci in required_literals(rx.pattern)]
+        self._order = {s.id: i for i, s in enumerate(library)}
+        self.prefilter = Prefilter(owned)
+        self._search = self.prefilter.regex.search
+        # counters (kept across incidents)
+        self._lines = 0
+        self._matched_lines = 0
+        self._truncated = 0
+        self._candidates = 0
+        self._events = 0
+        self._matched_events = 0
+        self._incidents = 0
+        self._unknown_failures = 0
+        self._dropped_templates = 0
+        self._dropped_template_lines = 0
+        self._dropped_matches = 0
+        self._seq = 0
+        self._counts: dict[bytes, int] = {}
+        self._cache: dict[bytes, bytes] = {}
+        # escalation history: (signature id, node) -> times; survives reset()
+        self._history: dict[tuple[str, str], list[float]] = {}
+        # the incident (see _reset_incident)
+        self._matches: list[SignatureMatch] = []
+        self._cause: SignatureMatch | None = None
+        self._cause_key: tuple[bool, float, int, int] | None = None
+        self._blame: dict[str, tuple[float, int, int]] = {}
+        self._counted: set[tuple[str, str]] = set()
+        self._last_t: dict[str, float] = {}
+        self._unknown_counted = False
+
+    # ----------------------------------------------------------------------------------------------- feeding
+
+    def feed_line(self, node: str, line: bytes | str, t: float | None = None) -> SignatureMatch | None:
+        """Classify one log line of `node`; the match, or None (the line is then counted as unmatched)."""
+        if line.__class__ is not bytes:
+            line = _as_bytes(line, self._cap)
+        self._lines += 1
+        if len(line) > self._cap:
+            line = line[:self._cap]
+            self._truncated += 1
+        if t is not None:
+            self._last_t[node] = t
+        hit = self._search(line)
+        if hit is not None:
+            found = self._classify(node, line, t, hit)
+            if found is not None:
+                return found
+        key = line[:TEMPLATE_CHARS].translate(_FOLD)
+        template = self._cache.get(key)
+        if template is None:
+            template = self._new_template(key, line)
+        self._counts[template] += 1
+        return None
+
+    def feed_xid(self, node: str, xid: int, t: float | None = None) -> SignatureMatch | None:
+        """An Xid event (e.g. from NVML) on `node`."""
+        self._events += 1
+        signature = self.library.by_xid(xid)
+        if signature is None:
+            self._count_event(f"Xid {xid}: no signature")
+            return None
+        self._matched_events += 1
+        return self._record(signature, node, t, f"Xid {xid}", None)
+
+    def feed_exit(self, node: str, exit_code: int | None, signal: str | None = None,
+                  t: float | None = None) -> SignatureMatch | None:
+        """A process exit on `node`: an exit code (negative: torchrun's killed-by-signal form) and/or a
+        signal name. Exit code 0 without a signal is success and ignored."""
+        if not exit_code and signal is None:
+            return None
+        self._events += 1
+        signature = self.library.resolve_exit(exit_code, signal)
+        what = f"exit code {exit_code}" if exit_code else f"signal {signal}"
+        if signature is None:
+            self._count_event(f"{what}: no signature")
+            return None
+        self._matched_events += 1
+        return self._record(signature, node, t, what, None)
+
+    # ------------------------------------------------------------------------------------------------ verdict
+
+    def verdict(self) -> Classification:
+        """The incident's classification so far (an unknown verdict is counted once per incident)."""
+        blamed = tuple(sorted(self._blame, key=self._blame.__getitem__))
+        cause = self._cause
+        if cause is None:
+            if not self._unknown_counted:
+                self._unknown_counted = True
+                self._unknown_failures += 1
+            return Classification(None, FailureAction.RESTART_JOB, None, blamed, tuple(self._matches))
+        return Classification(cause.signature, cause.action, cause.signature.failure_class, blamed,
+                              tuple(self._matches), cause)
+
+    def reset(self, *, forget_history: bool = False) -> None:
+        """Start the next incident. Counters and the unmatched report stay; so does the escalation history
+        (repeats across incidents are what `per: incident` escalations count) unless `forget_history`."""
+        self._incidents += 1
+        self._reset_incident()
+        if forget_history:
+            self._history.clear()
+
+    @property
+    def unknown_failures(self) -> int:
+        """Incidents whose verdict found no cause."""
+        return self._unknown_failures
+
+    def stats(self) -> ClassifierStats:
+        return ClassifierStats(
+            lines=self._lines, matched_lines=self._matched_lines, unmatched_lines=self._lines - self._matched_lines,
+            truncated_lines=self._truncated, candidate_lines=self._candidates, events=self._events,
+            matched_events=self._matched_events, incidents=self._incidents + 1,
+            unknown_failures=self._unknown_failures, unmatched_templates=len(self._counts),
+            dropped_templates=self._dropped_templates, dropped_template_lines=self._dropped_template_lines,
+            dropped_matches=self._dropped_matches)
+
+    def unmatched_report(self, top: int | None = None) -> list[UnmatchedTemplate]:
+        """Unmatched line templates (`normalise_line` of the first 160 bytes) with their counts, the
+        most frequent first, at most `max_templates` (or `top`): new problems to write signatures for."""
+        limit = self._max_templates if top is None else min(top, self._max_templates)
+        ranked = sorted(self._counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]
+        return [UnmatchedTemplate(t.decode("utf-8", "replace"), n) for t, n in ranked if n > 0]
+
+    # -------------------------------------------------------------------------------------------- internals
+
+    def _reset_incident(self) -> None:
+        self._matches = []
+        self._cause = None
+        self._cause_key = None
+        self._blame = {}
+        self._counted = set()
+        self._last_t = {}
+        self._unknown_counted = False
+
+    def _classify(self, node: str, line: bytes, t: float | None, hit: re.Match[bytes]) -> SignatureMatch | None:
+        self._candidates += 1
+        owners = self.prefilter.owners_of(line, hit)
+        text = line.decode("utf-8", "replace")
+        best: Signature | None = None
+        best_rank: tuple[bool, int, bool, int] | None = None
+        for owner in owners:
+            if owner == STRUCTURED:
+                continue
+            signature = self._patterns[owner]
+            regex = signature.regex
+            if regex is not None and regex.search(text) is not None:
+                rank = self._rank(signature, structured=False)
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = signature, rank
+        events = line_events(text) if STRUCTURED in owners else []
+        for kind, value in events:
+            if kind == "xid":
+                found = self.library.by_xid(int(value))
+            elif kind == "exit":
+                found = self.library.resolve_exit(int(value))
+            else:
+                found = self.library.resolve_exit(None, str(value))
+            if found is not None:
+                rank = self._rank(found, structured=True)
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = found, rank
+        if best is None:
+            return None
+        self._matched_lines += 1
+        return self._record(best, node, t, text.rstrip("\r\n")[:EVIDENCE_CHARS], text)
+
+    def _rank(self, signature: Signature, *, structured: bool) -> tuple[bool, int, bool, int]:
+        """Which of several signatures matching one line speaks for it: a cause before an echo, the more
+        severe, an Xid/exit/signal reading before a pattern, the earlier in the library."""
+        return (not signature.echo, signature.action.severity, structured, -self._order[signature.id])
+
+    def _record(self, signature: Signature, node: str, t: float | None, evidence: str,
+                text: str | None) -> SignatureMatch:
+        if t is None and text is not None and self._line_time is not None:
+            t = self._line_time(text)
+            if t is not None:
+                self._last_t[node] = t
+        if t is None:
+            t = self._last_t.get(node)
+        if t is not None and t != t:  # NaN: no usable time
+            t = None
+        when = INF if t is None else t
+        action, escalated = signature.action, False
+        escalation = signature.escalate
+        if escalation is not None:
+            key = (signature.id, node)
+            times = self._history.setdefault(key, [])
+            if escalation.per == "event" or key not in self._counted:
+                self._counted.add(key)
+                times.append(when)
+            if when != INF:
+                horizon = when - escalation.window_s
+                times[:] = [x for x in times if not x < horizon]
+            times.sort()
+            del times[:-escalation.count]  # the latest `count` are all that can matter
+            if len(times) >= escalation.count:
+                action, escalated = escalation.action, True
+        seq = self._seq
+        self._seq += 1
+        match = SignatureMatch(signature, node, t, seq, action, evidence, escalated)
+        if len(self._matches) < self._max_matches:
+            self._matches.append(match)
+        else:
+            self._dropped_matches += 1
+        if action is not FailureAction.LOG_ONLY:
+            key_ = (signature.echo, when, -action.severity, seq)
+            if self._cause_key is None or key_ < self._cause_key:
+                self._cause, self._cause_key = match, key_
+            if match.blames_node:
+                blame = (when, -action.severity, seq)
+                if node not in self._blame or blame < self._blame[node]:
+                    self._blame[node] = blame
+        return match
+
+    def _new_template(self, key: bytes, line: bytes) -> bytes:
+        """The template of `line` (cached under `key`, its folded prefix)."""
+        template = normalise_line(line[:TEMPLATE_CHARS])
+        if template not in self._counts:
+            if len(self._counts) >= 2 * self._max_templates:
+                self._prune()
+            self._counts[template] = 0
+        if len(self._cache) >= _KEY_CACHE:
+            self._cache.clear()
+        self._cache[key] = template
+        return template
+
+    def _prune(self) -> None:
+        """Keep the `max_templates` most frequent templates; forget the cache so dropped ones re-enter."""
+        ranked = sorted(self._counts.items(), key=lambda kv: -kv[1])
+        kept = dict(ranked[:self._max_templates])
+        self._dropped_templates += len(ranked) - len(kept)
+        self._dropped_template_lines += sum(n for _, n in ranked[self._max_templates:])
+        self._counts = kept
+        self._cache.clear()
+
+    def _count_event(self, template: str) -> None:
+        key = template.encode()
+        if key not in self._counts:
+            if len(self._counts) >= 2 * self._max_templates:
+                self._prune()
+            self._counts[key] = 0
+        self._counts[key] += 1
+
+
+def _word(m: re.Match[bytes]) -> bytes:
+    word = m.group()
+    if word.isdigit():
+        return b"N"
+    if not any(48 <= c <= 57 for c in word):
+        return word
+    if word[:2] in (b"0x", b"0X") and len(word) > 2 and all(c in _HEX_CHARS for c in word[2:]):
+        return b"X"
+    if all(c in _HEX_CHARS for c in word):
+        return b"X"
+    return _DIGIT_RUN.sub(b"N", _HEX_RUN.sub(b"X", word))
+
+
+def normalise_line(line: bytes) -> bytes:
+    """A line's template: numbers (decimals and exponents too) -> N, hex ids (0x..., words of hex digits with
+    a digit, runs of six or more inside a word) -> X, other digit runs -> N, blanks collapsed, ends trimmed."""
+    text = _DECIMAL.sub(b"N", line.strip())
+    return _BLANKS.sub(b" ", _WORD.sub(_word, text))
+
+
+def _as_bytes(line: object, cap: int) -> bytes:
+    """`line` as bytes; a long str is cut before encoding (the caller cuts to `cap` bytes and counts it)."""
+    if isinstance(line, str):
+        return line[:cap + 1].encode("utf-8", "replace")
+    if isinstance(line, bytes | bytearray | memoryview):
+        return bytes(line)
+    raise TypeError(f"a log line is bytes or str, not {type(line).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------- prefilter
+
+def _atom(ch: str, ignore_case: bool) -> str:
+    if ignore_case and ch.lower() != ch.upper():
+        return f"[{re.escape(ch.upper())}{re.escape(ch.lower())}]"
+    return re.escape(ch)
+
+
+#: Owner of the literals of the structured readings (Xid, exit code, signal lines).
+STRUCTURED = -1
+
+
+class Prefilter:
+    """One bytes regex that finds any of a set of literals, and which literals' owners a hit concerns.
+
+    Each literal is cut to a suffix (a suffix of a required literal is required too) that starts with a
+    character rare in logs, or with one already chosen, hardest literals first, and the suffixes are merged
+    into a trie. The regex engine then tests each position against one small set of first characters and
+    tries the trie only where one occurs (which needs every alternative to start with a plain character: a
+    case-insensitive first letter becomes two words). The trie stops at the shortest word, so a hit on a
+    word stands for every longer word it begins.
+    """
+
+    def __init__(self, literals: Sequence[tuple[str, bool, int]]) -> None:
+        chosen: set[str] = set()
+        owners: dict[bytes, set[int]] = {}
+        words: list[tuple[str, ...]] = []
+        todo = []
+        for text, ignore_case, owner in literals:
+            chars = text.encode("utf-8").decode("latin-1")  # one "character" per byte
+            todo.append((literal_cost(chars, ignore_case)[0], chars, ignore_case, owner))
+        for _, chars, ignore_case, owner in sorted(todo, key=lambda item: (-item[0], item[1:])):
+            atoms = [_atom(ch, ignore_case) for ch in chars]
+            last = max(0, len(chars) - PREFILTER_KEEP)
+            start = min(range(last + 1),
+                        key=lambda i: (0 if atoms[i] in chosen else char_cost(chars[i], ignore_case), i))
+            chosen.add(atoms[start])
+            owners.setdefault(chars[start:].encode("latin-1").lower(), set()).add(owner)
+            if atoms[start].startswith("["):
+                words.append((re.escape(chars[start].upper()), *atoms[start + 1:]))
+                words.append((re.escape(chars[start].lower()), *atoms[start + 1:]))
+            else:
+                words.append(tuple(atoms[start:]))
+        self._owners = {word: frozenset(o for longer, who in owners.items() if longer.startswith(word) for o in who)
+                        for word in owners}
+        trie: dict[str, Any] = {}
+        for word in words:
+            node = trie
+            for atom in word:
+                node = node.setdefault(atom, {})
+            node[""] = {}
+        self.regex: re.Pattern[bytes] = re.compile(_emit(trie).encode("latin-1") if words else rb"(?!x)x")
+
+    def owners_of(self, line: bytes, hit: re.Match[bytes]) -> set[int]:
+        """The owners of every literal occurring in `line`, given the first hit (overlaps included)."""
+        found: set[int] = set()
+        search = self.regex.search
+        match: re.Match[bytes] | None = hit
+        while match is not None:
+            found.update(self._owners.get(match.group().lower(), ()))
+            match = search(line, match.start() + 1)
+        return found
+
+
+def _emit(node: dict[str, Any]) -> str:
+    # a word that ends here makes the rest optional: any literal found is enough, so stop at the shortest
+    if "" in node:
+        return ""
+    branches = [atom + _emit(child) for atom, child in sorted(node.items())]
+    return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+
+
+# ------------------------------------------------------------------------------------------------ timestamps
+
+_ISO = re.compile(r"^\W{0,3}(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?\s?(Z|[+-]\d\d:?\d\d)?")
+_DMESG_T = re.compile(r"^\[(\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]")
+
+
+def line_timestamp(text: str) -> float | None:
+    """Seconds since the epoch from a line's leading ISO-8601 time (`2024-05-01T12:00:00.5Z`, `[2024-05-01
+    12:00:00,123]`; no zone = UTC) or `dmesg -T` time (`[Wed May  1 12:00:00 2024]`); None if neither."""
+    if (m := _ISO.match(text)) is not None:
+        year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+        try:
+            seconds = float(calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0)))
+        except (OverflowError, ValueError):
+            return None
+        if m.group(7):
+            seconds += int(m.group(7)) / 10 ** len(m.group(7))
+        zone = m.group(8)
+        if zone and zone != "Z":
+            sign = -1 if zone[0] == "+" else 1
+            digits = zone[1:].replace(":", "")
+            seconds += sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
+        return seconds
+    if (m := _DMESG_T.match(text)) is not None:
+        try:
+            return float(calendar.timegm(time.strptime(m.group(1), "%a %b %d %H:%M:%S %Y")))
+        except ValueError:
+            return None
+    return None
