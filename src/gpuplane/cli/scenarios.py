@@ -178,6 +178,24 @@ def run_autoscale_scenario(settings: BaseModel, trace: str, nodes_path: Path | N
                           f"autoscale: {settings.services} services, {settings.days:g} day(s)", summary)
 
 
+def run_training_faults_scenario(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path,
+                                 err: Console, quiet: bool) -> ScenarioOutput:
+    from gpuplane.report.training_faults import case_columns, ettr_rows, write_training_faults_report
+    from gpuplane.sim.training_faults import TrainingFaultsScenario, run_training_faults
+
+    assert isinstance(settings, TrainingFaultsScenario)
+    progress, tick = _progress("training-faults", err, quiet)
+    with progress:
+        comparison = run_training_faults(settings, progress=lambda done, total: tick("runs", done, total))
+    report = write_training_faults_report(comparison, out_dir / "report.html")
+    figures = comparison.figures() | {"report": str(report)}
+    summary = (f"ETTR: baseline {figures['baseline_ettr_pct']} %, platform {figures['platform_ettr_pct']} %, "
+               f"Llama 3 rate at {figures['llama_gpus']:,} GPUs {figures['llama_ettr_pct']} %; "
+               f"goals met: {figures['goals_met']}")
+    return ScenarioOutput(figures, report, ettr_rows(comparison), tuple(case_columns(comparison)),
+                          f"training-faults: {settings.days:g} days, {settings.replications} runs", summary)
+
+
 @dataclass(frozen=True, slots=True)
 class ScenarioKind:
     model: type[BaseModel]
@@ -188,11 +206,13 @@ def scenario_kinds() -> dict[str, ScenarioKind]:
     from gpuplane.sim.autoscale import AutoscaleScenario
     from gpuplane.sim.colocation import ColocationScenario
     from gpuplane.sim.tidal import TidalScenario
+    from gpuplane.sim.training_faults import TrainingFaultsScenario
 
     return {"training-backfill": ScenarioKind(BackfillScenario, run_training_backfill),
             "tidal": ScenarioKind(TidalScenario, run_tidal_scenario),
             "colocation": ScenarioKind(ColocationScenario, run_colocation_scenario),
-            "autoscale": ScenarioKind(AutoscaleScenario, run_autoscale_scenario)}
+            "autoscale": ScenarioKind(AutoscaleScenario, run_autoscale_scenario),
+            "training-faults": ScenarioKind(TrainingFaultsScenario, run_training_faults_scenario)}
 
 
 def print_output(out: Console, output: ScenarioOutput) -> None:

@@ -65,7 +65,7 @@ class AutoscaleScenario(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     days: float = Field(default=2.0, gt=0, le=30)
-    seed: int = 1
+    seed: int = Field(default=1, ge=0)
     services: int = Field(default=6, ge=1, le=200)
     non_production_services: int = Field(default=2, ge=0)
     mean_gpus: float = Field(default=12.0, gt=0, description="mean demand of a service, GPUs at 100 %")

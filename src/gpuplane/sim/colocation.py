@@ -98,7 +98,7 @@ class ColocationScenario(BaseModel):
 
     days: float = Field(default=1.0, gt=0, le=14)
     cards: int = Field(default=1, ge=1, le=64, description="independent shared cards, one seed each")
-    seed: int = 1
+    seed: int = Field(default=1, ge=0)
     policies: tuple[ColocationPolicy, ...] = ALL_POLICIES
     card_memory_gib: float = Field(default=80.0, gt=0)
     bucket_minutes: float = Field(default=10.0, gt=0, description="resolution of the utilisation curves")

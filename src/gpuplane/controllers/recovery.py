@@ -1,0 +1,166 @@
+"""Keeping a large training job running: checkpoint intervals, the ETTR account, and recovery decisions.
+
+- `young_interval` / `daly_interval`: the checkpoint interval that minimises expected waste for a blocking
+  checkpoint cost C and a job mean time between failures M (Young 1974: √(2CM); Daly 2006's higher-order
+  form, M when C ≥ 2M).
+- `CheckpointPlanner`: picks the interval from the *measured* checkpoint cost (a moving average of the
+  saves it is told about) and the job's *observed* failure rate (failures per node-day, with the fleet's
+  rate as a prior worth `prior_node_days`), so that a job on a bad patch of the fleet checkpoints more often.
+- `EttrAccount`: where a job's wall-clock time went: productive training, blocking checkpoint saves, work
+  lost to rollbacks, detection, diagnosis, rescheduling, restart and checkpoint load, manual escalation.
+  ETTR = productive / wall.
+- `segment_outcome`: what a run of `duration` seconds between a restart and the next failure yields, given
+  the interval and the cost: saves every `interval` of training, each blocking for `cost`; the work since
+  the last completed save is lost at the failure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+DAY_S = 86_400.0
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """τ* = √(2CM)."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly (2006): √(2CM)·[1 + ⅓√(C/2M) + (C/2M)/9] − C for C < 2M, else M."""
+    if cost_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = cost_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost_s
+
+
+@dataclass(slots=True)
+class CheckpointPlanner:
+    """The checkpoint interval for one job, from measured costs and observed failures."""
+
+    nodes: int
+    prior_rate_per_node_day: float
+    prior_node_days: float = 1_000.0
+    formula: str = "daly"
+    cost_s: float | None = None
+    cost_weight: float = 0.2
+    failures: int = 0
+    node_days: float = 0.0
+
+    def measured_cost(self, seconds: float) -> None:
+        self.cost_s = seconds if self.cost_s is None else (
+            (1 - self.cost_weight) * self.cost_s + self.cost_weight * seconds)
+
+    def observed(self, node_days: float, failures: int = 0) -> None:
+        self.node_days += node_days
+        self.failures += failures
+
+    def rate_per_node_day(self) -> float:
+        prior = self.prior_rate_per_node_day * self.prior_node_days
+        return (self.failures + prior) / (self.node_days + self.prior_node_days)
+
+    def mtbf_s(self) -> float:
+        rate = self.rate_per_node_day() * self.nodes
+        return math.inf if rate <= 0 else DAY_S / rate
+
+    def interval_s(self, default_cost_s: float) -> float:
+        cost = self.cost_s if self.cost_s is not None else default_cost_s
+        mtbf = self.mtbf_s()
+        if not math.isfinite(mtbf):
+            return math.inf
+        return young_interval(cost, mtbf) if self.formula == "young" else daly_interval(cost, mtbf)
+
+
+@dataclass(slots=True)
+class EttrAccount:
+    """Seconds of a job's wall clock by where they went; they add up to `wall_s`."""
+
+    productive_s: float = 0.0
+    checkpoint_s: float = 0.0
+    lost_s: float = 0.0
+    detection_s: float = 0.0
+    diagnosis_s: float = 0.0
+    reschedule_s: float = 0.0
+    restart_s: float = 0.0
+    checkpoint_load_s: float = 0.0
+    manual_s: float = 0.0
+    failures: int = 0
+    isolated_nodes: int = 0
+
+    @property
+    def wall_s(self) -> float:
+        return float(sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_s")))
+
+    @property
+    def ettr(self) -> float:
+        wall = self.wall_s
+        return self.productive_s / wall if wall > 0 else 1.0
+
+    def add(self, other: EttrAccount) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def shares_pct(self) -> dict[str, float]:
+        wall = self.wall_s or 1.0
+        return {f.name.removesuffix("_s"): getattr(self, f.name) * 100.0 / wall for f in fields(self)
+                if f.name.endswith("_s")}
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    productive_s: float
+    checkpoint_s: float
+    lost_s: float
+    saves: int
+
+
+def segment_outcome(duration_s: float, interval_s: float, cost_s: float, *, failed: bool) -> Segment:
+    """Split `duration_s` of running into productive training, blocking saves and lost work.
+
+    The job trains `interval_s`, saves for `cost_s`, and repeats. A failure loses the training since the
+    last completed save (and a save in progress); a segment that ends without failure (the horizon) keeps
+    everything it trained."""
+    if duration_s <= 0:
+        return Segment(0.0, 0.0, 0.0, 0)
+    if not math.isfinite(interval_s):
+        return Segment(0.0, 0.0, duration_s, 0) if failed else Segment(duration_s, 0.0, 0.0, 0)
+    cycle = interval_s + cost_s
+    if cycle <= 0:
+        # saving continuously for free: every moment is saved, nothing is lost
+        return Segment(duration_s, 0.0, 0.0, 0)
+    saves = int(duration_s // cycle)
+    rest = duration_s - saves * cycle
+    productive, checkpoint = saves * interval_s, saves * cost_s
+    if failed:
+        return Segment(productive, checkpoint, rest, saves)
+    tail_train = min(rest, interval_s)
+    return Segment(productive + tail_train, checkpoint + (rest - tail_train), 0.0, saves)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryTimes:
+    """Seconds each recovery step takes."""
+
+    detection_crash_s: float
+    detection_hang_s: float
+    diagnosis_s: float
+    reschedule_spare_s: float
+    reschedule_cold_s: float
+    restart_s: float
+    checkpoint_load_s: float
+    manual_probability: float
+    manual_s: float
+
+
+@dataclass(slots=True)
+class SparePool:
+    """Warm spares for a job: replacements come from here first, then from the fleet (cold)."""
+
+    spares: list[str] = field(default_factory=list)
+
+    def take(self) -> str | None:
+        return self.spares.pop(0) if self.spares else None
+
+    def give(self, node: str) -> None:
+        self.spares.append(node)
