@@ -332,7 +332,8 @@ def test_unknown_node_policy_is_refused_before_any_run(tmp_path: Path) -> None:
 def test_unknown_scenario_exits_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["simulate", "--scenario", "nosuch", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    expected = "--scenario: choose one of training-backfill, tidal, colocation, autoscale, got 'nosuch'"
+    expected = ("--scenario: choose one of training-backfill, tidal, colocation, autoscale, training-faults, "
+                "got 'nosuch'")
     assert flat(expected) in flat(result.output)
 
 
