@@ -17,7 +17,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+from gpuplane.controllers.classifier import Classification, FailureClassifier
+from gpuplane.controllers.health import HealthEvent, NodeHealthBook
+from gpuplane.model import PodRequest, Taint
+from gpuplane.model.failures import FailureAction
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodPhase, Status
 
 DAY_S = 86_400.0
 
@@ -164,3 +171,150 @@ class SparePool:
 
     def give(self, node: str) -> None:
         self.spares.append(node)
+
+
+# ---------------------------------------------------------------------------------------------- the controller
+QUARANTINE_TAINT = Taint("gpuplane.io/health", "quarantined", "NoSchedule")
+"""On an isolated node: no pod tolerates it, so the scheduler places nothing there until repair."""
+HEALTH_LABEL = "gpuplane.io/health"
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """One piece of what a failure left behind: a log line, an Xid, or an exit code / signal, on a node."""
+
+    node: str
+    line: str | bytes | None = None
+    xid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+
+
+def classify_incident(classifier: FailureClassifier, evidence: Sequence[Evidence], now: float) -> Classification:
+    """One incident's verdict from everything it left behind (the classifier starts afresh)."""
+    classifier.reset()
+    for item in evidence:
+        if item.line is not None:
+            classifier.feed_line(item.node, item.line, now)
+        if item.xid is not None:
+            classifier.feed_xid(item.node, item.xid, now)
+        if item.exit_code is not None or item.signal is not None:
+            classifier.feed_exit(item.node, item.exit_code, item.signal, now)
+    return classifier.verdict()
+
+
+def nodes_to_isolate(verdict: Classification) -> tuple[str, ...]:
+    """The nodes an incident takes out of service: the blamed ones, when the action is to isolate."""
+    return verdict.blamed_nodes if verdict.action is FailureAction.ISOLATE_NODE else ()
+
+
+@dataclass(slots=True)
+class GangJob:
+    """A training job run as one gang: `nodes` members like `template`, restarted as a new attempt."""
+
+    name: str
+    template: PodRequest
+    nodes: int
+    planner: CheckpointPlanner
+    attempt: int = 0
+    running_since: float | None = None
+    last_checkpoint_at: float | None = None
+    account: EttrAccount = field(default_factory=EttrAccount)
+
+    def members(self) -> list[str]:
+        return [f"{self.name}.{self.attempt}.{i}" for i in range(self.nodes)]
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryOutcome:
+    classification: Classification
+    isolated: tuple[str, ...]
+    lost_s: float
+    resubmitted: bool
+    status: Status
+
+
+class RecoveryController:
+    """On a failure: classify the evidence, isolate the blamed nodes (quarantine in the health book, a
+    NoSchedule taint and a label through the cluster port), and restart the job's gang from its last
+    checkpoint as a new attempt, which the scheduler places on healthy nodes (free spares included). Work
+    since the last checkpoint is charged to the job's ETTR account as lost; each failure and each measured
+    checkpoint cost updates the job's `CheckpointPlanner`."""
+
+    def __init__(self, port: ClusterPort, classifier: FailureClassifier, book: NodeHealthBook,
+                 now: Callable[[], float]) -> None:
+        self.port = port
+        self.classifier = classifier
+        self.book = book
+        self.now = now
+        self.jobs: dict[str, GangJob] = {}
+        self._member_of: dict[str, GangJob] = {}
+        self._unsubscribe = port.watch(self._on_event)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    def submit(self, job: GangJob) -> Status:
+        self.jobs[job.name] = job
+        gang = f"{job.name}.{job.attempt}"
+        for member in job.members():
+            request = replace(job.template, name=member, gang=gang, gang_size=job.nodes)
+            self._member_of[member] = job
+            status = self.port.create_pod(request)
+            if not status.ok:
+                return status
+        return Status.success()
+
+    def checkpointed(self, job_name: str, cost_s: float) -> float:
+        """The job reports a checkpoint completed now that blocked it `cost_s`; returns the interval to the
+        next one (Young/Daly from the measured cost and the job's observed failure rate)."""
+        job = self.jobs[job_name]
+        job.last_checkpoint_at = self.now()
+        job.planner.measured_cost(cost_s)
+        job.account.checkpoint_s += cost_s
+        return job.planner.interval_s(cost_s)
+
+    def on_failure(self, job_name: str, evidence: Sequence[Evidence]) -> RecoveryOutcome:
+        job = self.jobs[job_name]
+        now = self.now()
+        verdict = classify_incident(self.classifier, evidence, now)
+        cause = verdict.signature.id if verdict.signature is not None else "unknown failure"
+        isolated = nodes_to_isolate(verdict)
+        for node in isolated:
+            # an isolate-node verdict quarantines at once, whatever the node's failure count
+            self.book.apply(node, HealthEvent.CRITICAL_FAILURE, now, f"isolated: {cause}")
+            self._quarantine(node)
+        if job.running_since is not None:
+            job.planner.observed(job.nodes * (now - job.running_since) / DAY_S, 1)
+        saved_at = job.last_checkpoint_at if job.last_checkpoint_at is not None else job.running_since
+        lost = max(0.0, now - saved_at) if saved_at is not None else 0.0
+        job.account.lost_s += lost
+        job.account.failures += 1
+        job.account.isolated_nodes += len(isolated)
+        for member in job.members():
+            self.port.delete_pod(member)
+            self._member_of.pop(member, None)
+        job.running_since = None
+        if verdict.action is FailureAction.DO_NOT_RETRY:
+            return RecoveryOutcome(verdict, isolated, lost, False, Status.error(f"{job.name}: not retried ({cause})"))
+        job.attempt += 1
+        return RecoveryOutcome(verdict, isolated, lost, True, self.submit(job))
+
+    def _quarantine(self, node: str) -> None:
+        info = next((n for n in self.port.list_nodes() if n.name == node), None)
+        if info is None:
+            return
+        taints = (*(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key), QUARANTINE_TAINT)
+        self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: "quarantined"})
+
+    def _on_event(self, event: ClusterEvent) -> None:
+        if event.kind is not EventKind.POD_BOUND or event.pod is None:
+            return
+        job = self._member_of.get(event.pod.name)
+        if job is None or job.running_since is not None:
+            return
+        bound = {p.name for p in self.port.list_pods() if p.phase is PodPhase.RUNNING}
+        if all(member in bound for member in job.members()):
+            job.running_since = event.time
+            if job.last_checkpoint_at is None:
+                job.last_checkpoint_at = event.time

@@ -35,8 +35,11 @@ from gpuplane.controllers.recovery import (
     DAY_S,
     CheckpointPlanner,
     EttrAccount,
+    Evidence,
     RecoveryTimes,
     SparePool,
+    classify_incident,
+    nodes_to_isolate,
     segment_outcome,
 )
 from gpuplane.model.failures import FailureAction, FailureClass, Signature, SignatureLibrary, load_signature_library
@@ -248,15 +251,14 @@ def run_job(s: TrainingFaultsScenario, *, platform: bool, mean_rate: float, node
         category = categories[int(rng.choice(len(categories), p=weights))]
         pool = signatures.by_category[category]
         signature = pool[int(rng.integers(len(pool)))]
-        classifier.reset()
-        classifier.feed_line(node, signature.examples[0], t)
-        verdict = classifier.verdict()
+        verdict = classify_incident(classifier, [Evidence(node, line=signature.examples[0])], t)
         downtime = (times.detection_hang_s if category in HANGS else times.detection_crash_s) + times.diagnosis_s
         account.detection_s += times.detection_hang_s if category in HANGS else times.detection_crash_s
         account.diagnosis_s += times.diagnosis_s
         reschedule = 0.0
-        if platform and verdict.action is FailureAction.ISOLATE_NODE and verdict.blamed_nodes:
-            blamed = verdict.blamed_nodes[0]
+        isolate = nodes_to_isolate(verdict) if platform else ()
+        if isolate:
+            blamed = isolate[0]
             book.apply(blamed, HealthEvent.CRITICAL_FAILURE, t, signature.id)
             book.apply(blamed, HealthEvent.REPAIR_STARTED, t, "sent to repair")
             replacement = spares.take()
