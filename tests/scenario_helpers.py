@@ -63,3 +63,49 @@ def assert_refused(result: Result, captured: list[Any], message: str) -> None:
     assert not captured, "bad input must be refused before the run"
     assert flat(message) in flat(result.output), result.output
     assert "Traceback" not in result.output
+
+
+NonDefault = Mapping[str, tuple[Any, Any]]
+"""Per field: (a value as written in YAML / --set, the value the settings then hold), off the default."""
+
+
+def assert_covers_every_field(model: type[BaseModel], table: NonDefault) -> None:
+    """The table names every field of the scenario, each with a value other than the default."""
+    assert set(table) == set(model.model_fields), "a new field needs a row here"
+    default = model()
+    for field, (_, value) in table.items():
+        assert getattr(default, field) != value, field
+
+
+def assert_captured_run(result: Result) -> None:
+    """The CLI accepted the settings and handed them to the (captured) run."""
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == '{"captured": true}', result.stdout
+
+
+def assert_field_reaches_the_run(tmp_path: Path, scenario: str, captured: list[Any], table: NonDefault, field: str,
+                                 *, via: str) -> None:
+    """One field, set with `--set` (via "set") or in a YAML file (via "yaml"), reaches the run's settings."""
+    import json
+
+    raw, value = table[field]
+    if via == "set":
+        assert_captured_run(invoke_scenario(tmp_path, scenario, ["--set", f"{field}={json.dumps(raw)}"]))
+    else:
+        assert_captured_run(invoke_scenario(tmp_path, scenario, [], f"{field}: {json.dumps(raw)}\n"))
+    (settings,) = captured
+    assert getattr(settings, field) == value
+
+
+def assert_all_fields_at_once(tmp_path: Path, scenario: str, captured: list[Any], table: NonDefault) -> None:
+    """Every field at once, from a YAML file and from --set flags: the same settings."""
+    import json
+
+    text = "".join(f"{field}: {json.dumps(raw)}\n" for field, (raw, _) in table.items())
+    assert_captured_run(invoke_scenario(tmp_path, scenario, [], text))
+    flags = [arg for field, (raw, _) in table.items() for arg in ("--set", f"{field}={json.dumps(raw)}")]
+    assert_captured_run(invoke_scenario(tmp_path, scenario, flags))
+    from_file, from_flags = captured
+    expected = {field: value for field, (_, value) in table.items()}
+    assert {f: getattr(from_file, f) for f in expected} == expected
+    assert from_flags == from_file

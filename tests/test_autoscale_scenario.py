@@ -16,7 +16,17 @@ from typer.testing import CliRunner, Result
 
 from gpuplane.cli.main import app
 from gpuplane.sim.autoscale import POLICIES, AutoscaleScenario, run_autoscale
-from scenario_helpers import assert_refused, capture_settings, flat, invoke_scenario, num
+from scenario_helpers import (
+    assert_all_fields_at_once,
+    assert_captured_run,
+    assert_covers_every_field,
+    assert_field_reaches_the_run,
+    assert_refused,
+    capture_settings,
+    flat,
+    invoke_scenario,
+    num,
+)
 
 runner = CliRunner()
 SHORT_ARGS = ["--days", "0.25"]
@@ -157,10 +167,7 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
 
 
 def test_the_table_covers_every_field_with_a_value_off_the_default() -> None:
-    assert set(NON_DEFAULT) == set(AutoscaleScenario.model_fields), "a new field needs a row here"
-    default = AutoscaleScenario()
-    for field, (_, value) in NON_DEFAULT.items():
-        assert getattr(default, field) != value, field
+    assert_covers_every_field(AutoscaleScenario, NON_DEFAULT)
 
 
 @pytest.fixture
@@ -168,41 +175,20 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[AutoscaleScenario]:
     return capture_settings(monkeypatch, "run_autoscale_scenario", AutoscaleScenario)
 
 
-def _ok(result: Result) -> None:
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"captured": True}
-
-
+@pytest.mark.parametrize("via", ["set", "yaml"])
 @pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_set_flag(tmp_path: Path, captured: list[AutoscaleScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, "autoscale", ["--set", f"{field}={json.dumps(raw)}"]))
-    (settings,) = captured
-    assert getattr(settings, field) == value
-
-
-@pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_yaml_field(tmp_path: Path, captured: list[AutoscaleScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, "autoscale", [], f"{field}: {json.dumps(raw)}\n"))
-    (settings,) = captured
-    assert getattr(settings, field) == value
+def test_every_field_reaches_the_run(tmp_path: Path, captured: list[AutoscaleScenario], field: str,
+                                     via: str) -> None:
+    assert_field_reaches_the_run(tmp_path, "autoscale", captured, NON_DEFAULT, field, via=via)
 
 
 def test_all_fields_at_once_from_yaml_and_from_set(tmp_path: Path, captured: list[AutoscaleScenario]) -> None:
-    text = "".join(f"{field}: {json.dumps(raw)}\n" for field, (raw, _) in NON_DEFAULT.items())
-    _ok(invoke_scenario(tmp_path, "autoscale", [], text))
-    flags = [arg for field, (raw, _) in NON_DEFAULT.items() for arg in ("--set", f"{field}={json.dumps(raw)}")]
-    _ok(invoke_scenario(tmp_path, "autoscale", flags))
-    from_file, from_flags = captured
-    expected = {field: value for field, (_, value) in NON_DEFAULT.items()}
-    assert {f: getattr(from_file, f) for f in expected} == expected
-    assert from_flags == from_file
+    assert_all_fields_at_once(tmp_path, "autoscale", captured, NON_DEFAULT)
 
 
 def test_times_of_day_need_no_quotes_on_the_command_line(tmp_path: Path, captured: list[AutoscaleScenario]) -> None:
     # 10:30 is not JSON: it stays text, and pydantic validates it as a time of day
-    _ok(invoke_scenario(tmp_path, "autoscale", ["--set", "working_hours_start=10:30", "--set",
+    assert_captured_run(invoke_scenario(tmp_path, "autoscale", ["--set", "working_hours_start=10:30", "--set",
                                                 "working_hours_end=22:00:30"]))
     (settings,) = captured
     assert (settings.working_hours_start, settings.working_hours_end) == ("10:30", "22:00:30")
@@ -223,7 +209,7 @@ PRECEDENCE_CASES = [
 @pytest.mark.parametrize(("file", "args", "expected"), PRECEDENCE_CASES)
 def test_settings_precedence(tmp_path: Path, captured: list[AutoscaleScenario], file: str | None, args: list[str],
                              expected: dict[str, Any]) -> None:
-    _ok(invoke_scenario(tmp_path, "autoscale", args, file))
+    assert_captured_run(invoke_scenario(tmp_path, "autoscale", args, file))
     (settings,) = captured
     assert {k: getattr(settings, k) for k in expected} == expected
 

@@ -17,7 +17,17 @@ from typer.testing import CliRunner, Result
 import gpuplane.sim.colocation as colocation_sim
 from gpuplane.cli.main import app
 from gpuplane.sim.colocation import ALL_POLICIES, ColocationPolicy, ColocationScenario, figure_key, run_colocation
-from scenario_helpers import assert_refused, capture_settings, flat, invoke_scenario, num
+from scenario_helpers import (
+    assert_all_fields_at_once,
+    assert_captured_run,
+    assert_covers_every_field,
+    assert_field_reaches_the_run,
+    assert_refused,
+    capture_settings,
+    flat,
+    invoke_scenario,
+    num,
+)
 
 runner = CliRunner()
 TINY_ARGS = ["--days", "0.01", "--set", "placement_nodes=4"]
@@ -164,10 +174,7 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
 
 
 def test_the_table_covers_every_field_with_a_value_off_the_default() -> None:
-    assert set(NON_DEFAULT) == set(ColocationScenario.model_fields), "a new field needs a row here"
-    default = ColocationScenario()
-    for field, (_, value) in NON_DEFAULT.items():
-        assert getattr(default, field) != value, field
+    assert_covers_every_field(ColocationScenario, NON_DEFAULT)
 
 
 @pytest.fixture
@@ -175,36 +182,15 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[ColocationScenario]:
     return capture_settings(monkeypatch, "run_colocation_scenario", ColocationScenario)
 
 
-def _ok(result: Result) -> None:
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"captured": True}
-
-
+@pytest.mark.parametrize("via", ["set", "yaml"])
 @pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_set_flag(tmp_path: Path, captured: list[ColocationScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, "colocation", ["--set", f"{field}={json.dumps(raw)}"]))
-    (settings,) = captured
-    assert getattr(settings, field) == value
-
-
-@pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_yaml_field(tmp_path: Path, captured: list[ColocationScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, "colocation", [], f"{field}: {json.dumps(raw)}\n"))
-    (settings,) = captured
-    assert getattr(settings, field) == value
+def test_every_field_reaches_the_run(tmp_path: Path, captured: list[ColocationScenario], field: str,
+                                     via: str) -> None:
+    assert_field_reaches_the_run(tmp_path, "colocation", captured, NON_DEFAULT, field, via=via)
 
 
 def test_all_fields_at_once_from_yaml_and_from_set(tmp_path: Path, captured: list[ColocationScenario]) -> None:
-    text = "".join(f"{field}: {json.dumps(raw)}\n" for field, (raw, _) in NON_DEFAULT.items())
-    _ok(invoke_scenario(tmp_path, "colocation", [], text))
-    flags = [arg for field, (raw, _) in NON_DEFAULT.items() for arg in ("--set", f"{field}={json.dumps(raw)}")]
-    _ok(invoke_scenario(tmp_path, "colocation", flags))
-    from_file, from_flags = captured
-    expected = {field: value for field, (_, value) in NON_DEFAULT.items()}
-    assert {f: getattr(from_file, f) for f in expected} == expected
-    assert from_flags == from_file
+    assert_all_fields_at_once(tmp_path, "colocation", captured, NON_DEFAULT)
 
 
 PRECEDENCE_CASES = [
@@ -222,7 +208,7 @@ PRECEDENCE_CASES = [
 @pytest.mark.parametrize(("file", "args", "expected"), PRECEDENCE_CASES)
 def test_settings_precedence(tmp_path: Path, captured: list[ColocationScenario], file: str | None, args: list[str],
                              expected: dict[str, Any]) -> None:
-    _ok(invoke_scenario(tmp_path, "colocation", args, file))
+    assert_captured_run(invoke_scenario(tmp_path, "colocation", args, file))
     (settings,) = captured
     assert {k: getattr(settings, k) for k in expected} == expected
 

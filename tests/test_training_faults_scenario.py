@@ -16,7 +16,17 @@ from typer.testing import CliRunner, Result
 
 from gpuplane.cli.main import app
 from gpuplane.sim.training_faults import TrainingFaultsScenario, run_training_faults
-from scenario_helpers import assert_refused, capture_settings, flat, invoke_scenario, num
+from scenario_helpers import (
+    assert_all_fields_at_once,
+    assert_captured_run,
+    assert_covers_every_field,
+    assert_field_reaches_the_run,
+    assert_refused,
+    capture_settings,
+    flat,
+    invoke_scenario,
+    num,
+)
 
 runner = CliRunner()
 SCENARIO = "training-faults"
@@ -188,10 +198,7 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
 
 
 def test_the_table_covers_every_field_with_a_value_off_the_default() -> None:
-    assert set(NON_DEFAULT) == set(TrainingFaultsScenario.model_fields), "a new field needs a row here"
-    default = TrainingFaultsScenario()
-    for field, (_, value) in NON_DEFAULT.items():
-        assert getattr(default, field) != value, field
+    assert_covers_every_field(TrainingFaultsScenario, NON_DEFAULT)
 
 
 @pytest.fixture
@@ -199,36 +206,15 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[TrainingFaultsScenario]:
     return capture_settings(monkeypatch, "run_training_faults_scenario", TrainingFaultsScenario)
 
 
-def _ok(result: Result) -> None:
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"captured": True}
-
-
+@pytest.mark.parametrize("via", ["set", "yaml"])
 @pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_set_flag(tmp_path: Path, captured: list[TrainingFaultsScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, SCENARIO, ["--set", f"{field}={json.dumps(raw)}"]))
-    (settings,) = captured
-    assert getattr(settings, field) == value
-
-
-@pytest.mark.parametrize("field", list(NON_DEFAULT))
-def test_every_field_is_a_yaml_field(tmp_path: Path, captured: list[TrainingFaultsScenario], field: str) -> None:
-    raw, value = NON_DEFAULT[field]
-    _ok(invoke_scenario(tmp_path, SCENARIO, [], f"{field}: {json.dumps(raw)}\n"))
-    (settings,) = captured
-    assert getattr(settings, field) == value
+def test_every_field_reaches_the_run(tmp_path: Path, captured: list[TrainingFaultsScenario], field: str,
+                                     via: str) -> None:
+    assert_field_reaches_the_run(tmp_path, "training-faults", captured, NON_DEFAULT, field, via=via)
 
 
 def test_all_fields_at_once_from_yaml_and_from_set(tmp_path: Path, captured: list[TrainingFaultsScenario]) -> None:
-    text = "".join(f"{field}: {json.dumps(raw)}\n" for field, (raw, _) in NON_DEFAULT.items())
-    _ok(invoke_scenario(tmp_path, SCENARIO, [], text))
-    flags = [arg for field, (raw, _) in NON_DEFAULT.items() for arg in ("--set", f"{field}={json.dumps(raw)}")]
-    _ok(invoke_scenario(tmp_path, SCENARIO, flags))
-    from_file, from_flags = captured
-    expected = {field: value for field, (_, value) in NON_DEFAULT.items()}
-    assert {f: getattr(from_file, f) for f in expected} == expected
-    assert from_flags == from_file
+    assert_all_fields_at_once(tmp_path, "training-faults", captured, NON_DEFAULT)
 
 
 PRECEDENCE_CASES = [
@@ -251,7 +237,7 @@ PRECEDENCE_CASES = [
 @pytest.mark.parametrize(("file", "args", "expected"), PRECEDENCE_CASES)
 def test_settings_precedence(tmp_path: Path, captured: list[TrainingFaultsScenario], file: str | None,
                              args: list[str], expected: dict[str, Any]) -> None:
-    _ok(invoke_scenario(tmp_path, SCENARIO, args, file))
+    assert_captured_run(invoke_scenario(tmp_path, SCENARIO, args, file))
     (settings,) = captured
     assert {k: getattr(settings, k) for k in expected} == expected
 
