@@ -62,7 +62,6 @@ from gpuplane.model import (
 from gpuplane.model.tidal import DAY_S
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.framework import Framework
-from gpuplane.sim.scenario_file import ScenarioError
 
 FloatArray = npt.NDArray[np.float64]
 Progress = Callable[[int, int], None]
@@ -85,10 +84,6 @@ class ColocationPolicy(enum.Enum):
 
 
 ALL_POLICIES = tuple(ColocationPolicy)
-
-
-class ColocationScenarioError(ScenarioError):
-    pass
 
 
 class ColocationScenario(BaseModel):
@@ -597,16 +592,6 @@ def run_colocation(s: ColocationScenario, progress: Progress | None = None) -> C
     placement = run_placement(s)
     return ColocationComparison(s, results, placement, float(np.mean(rooms)), time.perf_counter() - started)
 
-
-def policies_from(names: Sequence[str]) -> tuple[ColocationPolicy, ...]:
-    """Policies by name, for flags; an unknown name lists the known ones."""
-    known = {p.value: p for p in ColocationPolicy}
-    out = []
-    for name in names:
-        if name not in known:
-            raise ColocationScenarioError(f"unknown co-location policy {name!r} (known: {', '.join(known)})")
-        out.append(known[name])
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- placement
