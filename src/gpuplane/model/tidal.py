@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from gpuplane.model.errors import GpuplaneError
@@ -32,6 +34,13 @@ DAY_S = 86400.0
 
 class TidalPolicyError(GpuplaneError):
     pass
+
+
+def diurnal(t_s: npt.NDArray[np.float64], peak_trough_ratio: float, peak_hour: float) -> npt.NDArray[np.float64]:
+    """The daily load curve 1 + a·cos(2π(t − peak)/24 h) at times `t_s` (seconds), a = (R − 1)/(R + 1), so
+    that peak / trough = R (the diurnal inference-load model's seed form)."""
+    a = (peak_trough_ratio - 1.0) / (peak_trough_ratio + 1.0)
+    return np.asarray(1.0 + a * np.cos(2.0 * np.pi * (t_s - peak_hour * 3600.0) / DAY_S))
 
 
 def parse_clock(value: str) -> float:

@@ -45,7 +45,7 @@ from gpuplane.controllers.autoscale import (
     average_value_replicas,
     utilization_replicas,
 )
-from gpuplane.model.tidal import DAY_S, ClockTime, parse_clock
+from gpuplane.model.tidal import DAY_S, ClockTime, diurnal, parse_clock
 from gpuplane.sim.scenario_file import ScenarioError
 
 FloatArray = npt.NDArray[np.float64]
@@ -126,14 +126,15 @@ class ServiceLoad:
 
 
 def service_loads(s: AutoscaleScenario, rng: np.random.Generator) -> list[ServiceLoad]:
-    t = np.arange(s.steps) * s.sync_s
+    t = np.arange(s.steps, dtype=np.float64) * s.sync_s
+    shape = diurnal(t, s.peak_trough_ratio, s.peak_hour)
     r = s.peak_trough_ratio
     a = (r - 1.0) / (r + 1.0)
     loads = []
     for i in range(s.services):
         production = i < s.services - s.non_production_services
         mean = s.mean_gpus * rng.uniform(1 - s.service_size_spread, 1 + s.service_size_spread)
-        diurnal = mean * (1 + a * np.cos(2 * np.pi * (t - s.peak_hour * 3600.0) / DAY_S))
+        daily = mean * shape
         windows = (t // (s.noise_minutes * 60.0)).astype(np.int64)
         noise = rng.lognormal(-0.5 * math.log1p(s.noise_cv ** 2), math.sqrt(math.log1p(s.noise_cv ** 2)),
                               windows.max() + 1)[windows] if s.noise_cv > 0 else np.ones(len(t))
@@ -151,7 +152,7 @@ def service_loads(s: AutoscaleScenario, rng: np.random.Generator) -> list[Servic
         for h in range(1, len(drift)):
             drift[h] = 0.9 * drift[h - 1] + shocks[h]
         mix = np.exp(drift)[hours]
-        rate = diurnal * noise * bursts
+        rate = daily * noise * bursts
         if not production:
             clock = t % DAY_S
             start_s, end_s = parse_clock(s.working_hours_start), parse_clock(s.working_hours_end)

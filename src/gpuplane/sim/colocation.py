@@ -59,7 +59,7 @@ from gpuplane.model import (
     QoS,
     default_catalog,
 )
-from gpuplane.model.tidal import DAY_S
+from gpuplane.model.tidal import DAY_S, diurnal
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.framework import Framework
 
@@ -181,8 +181,7 @@ class ColocationScenario(BaseModel):
 def rate_shape(s: ColocationScenario, t: FloatArray, bursts: FloatArray) -> FloatArray:
     """Relative online rate (1 at the diurnal peak) at times `t` (s), with flash crowds starting at `bursts`."""
     r = s.peak_trough_ratio
-    a = (r - 1.0) / (r + 1.0)
-    shape = (1.0 + a * np.cos(2.0 * np.pi * (t - s.peak_hour * 3600.0) / DAY_S)) / (1.0 + a)
+    shape = diurnal(t, r, s.peak_hour) / (1.0 + (r - 1.0) / (r + 1.0))  # 1 at the peak
     if len(bursts):
         starts = np.searchsorted(bursts, t, side="right") - 1
         inside = (starts >= 0) & (t < bursts[np.maximum(starts, 0)] + s.burst_minutes * 60.0)
