@@ -7,7 +7,6 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from gpuplane.controllers.recovery import EttrAccount
 from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.training_faults import TrainingFaultsComparison
 
@@ -49,8 +48,9 @@ def _sweep_plot(comparison: TrainingFaultsComparison) -> str:
     left.legend()
     cases = list(comparison.cases.values())
     bottom = np.zeros(len(cases))
+    shares = [c.account.shares_pct() for c in cases]
     for part in PARTS[1:]:
-        values = np.array([_share(c.account, part) for c in cases])
+        values = np.array([share[part] for share in shares])
         right.bar(range(len(cases)), values, bottom=bottom, label=part.replace("_", " "))
         bottom += values
     for i, total in enumerate(bottom):
@@ -61,10 +61,6 @@ def _sweep_plot(comparison: TrainingFaultsComparison) -> str:
     right.legend(fontsize=7)
     fig.tight_layout()
     return png(fig)
-
-
-def _share(account: EttrAccount, part: str) -> float:
-    return account.shares_pct()[part]
 
 
 def write_training_faults_report(comparison: TrainingFaultsComparison, path: Path) -> Path:
