@@ -581,3 +581,11 @@ def test_an_overflowing_ratio_asks_for_the_int32_maximum() -> None:
     assert average_value_replicas(1.7e308, 0.5, 3, 0.1) == 2**31 - 1
     # from 3: max(3 + 4 pods, 3 x 200 %) = 7 in the first 15 s
     assert Hpa(HpaSpec(max_replicas=40)).step(0.0, 3, average_value_replicas(1.7e308, 0.5, 3, 0.1)) == 7
+
+
+def test_a_scale_down_in_the_period_never_turns_a_scale_up_into_a_scale_down() -> None:
+    # min 0, max 5, from 1: t=0 wants 0 -> 0 (event -1); t=7.5 wants 5: period start 0 + 1 = 1, limit max(1 + 4,
+    # 1 x 2) = 5 -> 5 (event +5); t=15 wants 6: period start 5 - 5 = 0, limit max(0 + 4, 0) = 4 < 5. Kube holds
+    # the count at 5 (the up limit is never below the current count); it must not drop to 4.
+    hpa = Hpa(HpaSpec(min_replicas=0, max_replicas=5))
+    assert [hpa.step(0.0, 1, 0), hpa.step(7.5, 0, 5), hpa.step(15.0, 5, 6)] == [0, 5, 5]

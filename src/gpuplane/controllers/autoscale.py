@@ -138,10 +138,12 @@ class Hpa:
         longest_period = max((p.period_s for r in (spec.scale_up, spec.scale_down) for p in r.policies), default=0)
         while self.events and self.events[0][0] < now - longest_period:
             self.events.popleft()
+        # kube never lets a rate limit move the count the other way: an up limit below the current count
+        # (after a scale-down within the period) holds it, and so does a down limit above it
         if stabilized > current:
-            target = min(stabilized, self._up_limit(now, current), spec.max_replicas)
+            target = min(stabilized, max(self._up_limit(now, current), current), spec.max_replicas)
         elif stabilized < current:
-            target = max(stabilized, self._down_limit(now, current), spec.min_replicas)
+            target = max(stabilized, min(self._down_limit(now, current), current), spec.min_replicas)
         else:
             target = current
         target = min(max(target, spec.min_replicas), spec.max_replicas)
