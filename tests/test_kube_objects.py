@@ -114,9 +114,11 @@ def test_containers_add_up_and_init_containers_take_the_larger() -> None:
     ({"gpuplane.io/gpu": "2", "gpuplane.io/gpumem": "100"}, {}, {}, "resources[gpuplane.io/gpu]"),
     ({"gpuplane.io/gpu": "1", "gpuplane.io/gpucores": "150"}, {}, {}, "resources[gpuplane.io/gpucores]"),
     ({"gpuplane.io/gpu": "1.5"}, {}, {}, "resources[gpuplane.io/gpu]"),
+    ({"gpuplane.io/gpumem": "1024"}, {}, {}, "resources[gpuplane.io/gpu]"),  # the kubelet would never call Allocate
     ({"gpuplane.io/gpu": "lots"}, {}, {}, "spec.containers[0].resources[gpuplane.io/gpu]"),
     ({"gpuplane.io/gpu": "1", "gpuplane.io/gpumem": "1"}, {"gpuplane.io/mig-profile": "3g.40gb"}, {},
      "metadata.annotations[gpuplane.io/mig-profile]"),
+    ({}, {"gpuplane.io/mig-profile": "3g.40gb"}, {}, "metadata.annotations[gpuplane.io/mig-profile]"),
     ({}, {}, {"gpuplane.io/qos": "urgent"}, "metadata.labels[gpuplane.io/qos]"),
     ({}, {"gpuplane.io/gang-size": "four"}, {"scheduling.x-k8s.io/pod-group": "g"},
      "metadata.annotations[gpuplane.io/gang-size]"),

@@ -238,12 +238,16 @@ def _gpu_form(resources: Mapping[str, Decimal], annotations: Mapping[str, str], 
     profile = annotations.get(MIG_PROFILE)
     try:
         if profile is not None:
-            if cards > 1 or cores or mem or mem_pct:
+            if cards != 1 or cores or mem or mem_pct:
                 raise ObjectError(obj, f"metadata.annotations[{MIG_PROFILE}]",
-                                  f"a MIG instance is asked for alone: drop {RES_CORES}/{RES_MEM}, keep {RES_GPU} ≤ 1")
+                                  f"a MIG instance is asked for with {RES_GPU}: 1 alone (no {RES_CORES}/{RES_MEM})")
             return MigSlice(int(profile) if profile.isdigit() else profile)
         if not (cards or cores or mem or mem_pct or encoders or decoders):
             return None
+        if not cards:
+            raise ObjectError(obj, f"resources[{RES_GPU}]",
+                              f"missing: ask {RES_GPU}: 1 with {RES_CORES}/{RES_MEM}/codecs (without it the kubelet "
+                              "never hands a card to the container)")
         if cores > 100:
             raise ObjectError(obj, f"resources[{RES_CORES}]", f"at most 100 (percent of one card), got {cores}")
         fractional = (0 < cores < 100) or mem or mem_pct or encoders or decoders
