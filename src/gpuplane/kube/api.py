@@ -9,8 +9,16 @@ tests run it against a local HTTP server that answers with the real API's paths 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+import contextlib
+import json
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from kubernetes import config as kube_config
+from kubernetes.client import ApiClient, Configuration
+
+from gpuplane.model import GpuplaneError
 
 JsonObject = dict[str, Any]
 PatchType = Literal["merge", "strategic", "json"]
@@ -73,3 +81,246 @@ def node_path(name: str = "") -> str:
 
 
 PODS_ALL = "/api/v1/pods"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real implementation: the official client's transport, raw JSON.
+
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_PAGE_SIZE = 500
+_WATCH_READ_SLACK_S = 30.0
+
+
+class KubeConfigError(GpuplaneError):
+    """No usable way to reach an API server (not in a cluster, and no readable kubeconfig)."""
+
+
+def _status_error(status: int, raw: bytes, fallback_reason: str = "") -> ApiError:
+    """An `ApiError` from a non-2xx answer; the body is a Status when the API server wrote it."""
+    body: dict[str, Any] = {}
+    try:
+        parsed = json.loads(raw) if raw else {}
+        if isinstance(parsed, dict):
+            body = parsed
+    except ValueError:
+        body = {}
+    message = str(body.get("message") or raw[:200].decode("utf-8", "replace"))
+    return ApiError(status, str(body.get("reason") or fallback_reason), message, body)
+
+
+def _transport_error(exc: Exception) -> ApiError:
+    """A request that got no HTTP answer (refused, reset, timed out): status 0, reason `ConnectionError`."""
+    return ApiError(0, "ConnectionError", f"{type(exc).__name__}: {exc}")
+
+
+class WatchStream:
+    """The (type, object) events of one watch request; `close()` ends it from any thread.
+
+    Iteration ends when the server ends the stream (its `timeoutSeconds`) or after `close()`. An ERROR event
+    or a broken connection raises `ApiError` (410 for an expired resourceVersion, 0 for the transport).
+    """
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self._lines: Iterator[bytes] = iter(response)
+        self._closed = False
+
+    def __iter__(self) -> WatchStream:
+        return self
+
+    def __next__(self) -> tuple[str, JsonObject]:
+        while True:
+            if self._closed:
+                raise StopIteration
+            try:
+                line = next(self._lines)
+            except StopIteration:
+                self.close()
+                raise
+            except Exception as exc:  # urllib3 ProtocolError / ReadTimeoutError / OSError mid-stream
+                if self._closed:
+                    raise StopIteration from None
+                self.close()
+                raise _transport_error(exc) from exc
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError as exc:
+                self.close()
+                raise ApiError(0, "BadWatchEvent", f"undecodable watch line: {line[:200]!r}") from exc
+            kind = str(event.get("type", ""))
+            obj = event.get("object") or {}
+            if kind == "ERROR":
+                self.close()
+                code = int(obj.get("code") or 500)
+                raise ApiError(code, str(obj.get("reason") or ""), str(obj.get("message") or ""), obj)
+            return kind, obj
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shut the socket down first: a plain close() does not wake a read blocked in another thread.
+        sock = getattr(getattr(self._response, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):  # closing a dead connection may fail in many ways
+            self._response.close()
+            self._response.release_conn()
+
+
+class RestKubeApi:
+    """`KubeApi` over the official client's `ApiClient` (config, auth, TLS, connection pool).
+
+    Requests go through `ApiClient.param_serialize` + `call_api`, whose answers are unread urllib3 responses;
+    bodies are parsed here, so objects stay dicts and large lists are never turned into models. A request
+    that gets no HTTP answer raises `ApiError(0, "ConnectionError")`.
+    """
+
+    def __init__(self, client: ApiClient, *, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        self.client = client
+        self.request_timeout_s = request_timeout_s
+        self.page_size = page_size
+
+    @classmethod
+    def from_url(cls, url: str, *, token: str | None = None, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 page_size: int = DEFAULT_PAGE_SIZE) -> RestKubeApi:
+        """A client for `url` (e.g. `http://127.0.0.1:8080`), with an optional bearer token."""
+        configuration = Configuration(host=url.rstrip("/"))
+        if token:
+            configuration.api_key["BearerToken"] = f"Bearer {token}"
+        return cls(ApiClient(configuration), request_timeout_s=request_timeout_s, page_size=page_size)
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None, context: str | None = None, **kwargs: Any) -> RestKubeApi:
+        """`connect_api`: in-cluster config, else the kubeconfig file. Raises `KubeConfigError`."""
+        return connect_api(kubeconfig, context, **kwargs)
+
+    @classmethod
+    def from_configuration(cls, configuration: Configuration, **kwargs: Any) -> RestKubeApi:
+        return cls(ApiClient(configuration), **kwargs)
+
+    def close(self) -> None:
+        self.client.close()  # type: ignore[no-untyped-call]
+
+    # -- transport ---------------------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, query: Sequence[tuple[str, str]] = (), body: Any = None,
+              content_type: str | None = None, read_timeout_s: float | None = None) -> Any:
+        """The unread urllib3 response of a 2xx answer; `ApiError` otherwise."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        method, url, headers, _, _ = self.client.param_serialize(
+            method, path, query_params=list(query), header_params=headers, auth_settings=["BearerToken"])
+        timeout = (self.request_timeout_s, read_timeout_s or self.request_timeout_s)
+        try:
+            # The REST layer serialises the body (every content type used here is JSON).
+            answer = self.client.call_api(method, url, headers, body, None, _request_timeout=timeout)
+        except ApiError:
+            raise
+        except Exception as exc:  # urllib3 errors and the client's ApiException(status=0) for TLS
+            raise _transport_error(exc) from exc
+        response = answer.response
+        if not 200 <= answer.status <= 299:
+            try:
+                raw = response.read()
+            except Exception:  # the status line is what matters
+                raw = b""
+            finally:
+                response.release_conn()
+            raise _status_error(answer.status, raw, str(answer.reason or ""))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> JsonObject:
+        response = self._call(method, path, **kwargs)
+        try:
+            raw = response.read()
+        except Exception as exc:
+            raise _transport_error(exc) from exc
+        finally:
+            response.release_conn()
+        if not raw:
+            return {}
+        parsed = json.loads(raw)
+        return parsed if isinstance(parsed, dict) else {"items": parsed}
+
+    # -- KubeApi -----------------------------------------------------------------------------------------------
+
+    def get(self, path: str) -> JsonObject:
+        return self._json("GET", path)
+
+    def list(self, path: str, *, label_selector: str | None = None,
+             field_selector: str | None = None) -> tuple[list[JsonObject], str]:
+        items: list[JsonObject] = []
+        token = ""
+        while True:
+            query = _selectors(label_selector, field_selector)
+            query.append(("limit", str(self.page_size)))
+            if token:
+                query.append(("continue", token))
+            page = self._json("GET", path, query=query)
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            token = str(meta.get("continue") or "")
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
+
+    def watch(self, path: str, resource_version: str, *, timeout_s: int = 300,
+              label_selector: str | None = None, field_selector: str | None = None) -> WatchStream:
+        query = [("watch", "1"), ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(timeout_s))]
+        if resource_version:
+            query.append(("resourceVersion", resource_version))
+        query.extend(_selectors(label_selector, field_selector))
+        response = self._call("GET", path, query=query, read_timeout_s=timeout_s + _WATCH_READ_SLACK_S)
+        return WatchStream(response)
+
+    def create(self, path: str, body: Mapping[str, Any]) -> JsonObject:
+        return self._json("POST", path, body=dict(body))
+
+    def replace(self, path: str, body: Mapping[str, Any]) -> JsonObject:
+        return self._json("PUT", path, body=dict(body))
+
+    def patch(self, path: str, body: Any, *, patch_type: PatchType = "merge") -> JsonObject:
+        if patch_type == "json" and not isinstance(body, list):
+            raise TypeError("a JSON patch is a list of operations")  # the client would send it as strategic merge
+        return self._json("PATCH", path, body=body, content_type=PATCH_CONTENT_TYPES[patch_type])
+
+    def delete(self, path: str, body: Mapping[str, Any] | None = None) -> JsonObject:
+        return self._json("DELETE", path, body=None if body is None else dict(body))
+
+
+def _selectors(label_selector: str | None, field_selector: str | None) -> list[tuple[str, str]]:
+    query: list[tuple[str, str]] = []
+    if label_selector:
+        query.append(("labelSelector", label_selector))
+    if field_selector:
+        query.append(("fieldSelector", field_selector))
+    return query
+
+
+def connect_api(kubeconfig: str | None = None, context: str | None = None, **kwargs: Any) -> RestKubeApi:
+    """In-cluster config when running in a pod (and no kubeconfig or context is named), else the kubeconfig file
+    (`$KUBECONFIG` or `~/.kube/config`). Raises `KubeConfigError` when neither gives a usable configuration."""
+    configuration = Configuration()
+    if kubeconfig is None and context is None:
+        try:
+            kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            return RestKubeApi.from_configuration(configuration, **kwargs)
+        except kube_config.ConfigException:
+            configuration = Configuration()
+    try:
+        kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, context=context, client_configuration=configuration)
+    except (kube_config.ConfigException, OSError, ValueError, TypeError, KeyError) as exc:
+        where = kubeconfig or "the default kubeconfig ($KUBECONFIG or ~/.kube/config)"
+        raise KubeConfigError(f"kubeconfig {where}: not in a cluster and cannot load it: {exc}") from exc
+    return RestKubeApi.from_configuration(configuration, **kwargs)
+
+
+if TYPE_CHECKING:
+    _: KubeApi = RestKubeApi(ApiClient())

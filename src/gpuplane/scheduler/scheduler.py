@@ -115,8 +115,11 @@ class PreemptionStats:
 class Scheduler:
     def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int,
                  pools: Mapping[str, PoolConfig] | None = None, now: Callable[[], float] | None = None,
-                 rules: SchedulingRules | None = None) -> None:
+                 rules: SchedulingRules | None = None, queue_pods: bool = True) -> None:
         self.port = port
+        self.queue_pods = queue_pods
+        """False: pending pods are not queued (a scheduler behind kube-scheduler's extender decides per request
+        and never runs its own queue)."""
         self.now = now or (lambda: 0.0)
         self.catalog = catalog
         self.pools = pools
@@ -138,6 +141,8 @@ class Scheduler:
         self._started: dict[str, float] = {}
         self._nominations: list[Nomination] = []
         self._victim_of: dict[str, Nomination] = {}
+        self.unplaced: list[tuple[str, str]] = []
+        """Running pods whose recorded assignment did not fit the cache when it was last built, with why."""
         self._nominated: dict[str, Nomination] = {}
         self._gangs: dict[str, _GangWait] = {}
         self._quota_waiting: dict[str, dict[str, QueuedPod]] = {}
@@ -157,15 +162,22 @@ class Scheduler:
         state = ClusterState(self.catalog, specs, self.pools)
         self.shadow = ClusterState(self.catalog, specs, self.pools) if self._backfill_classes else None
         self._terminating = set()
+        self.unplaced = []
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.phase in (PodPhase.RUNNING, PodPhase.TERMINATING):
-                state.place(pod.request, pod.assignment)
+                try:
+                    state.place(pod.request, pod.assignment)
+                except PlacementError as exc:
+                    # A recorded assignment the cache cannot hold (an edited annotation, a node that shrank):
+                    # report it and go on; one torn pod must not keep the scheduler from starting.
+                    self.unplaced.append((pod.name, str(exc)))
+                    continue
                 if pod.phase is PodPhase.TERMINATING:
                     self._terminating.add(pod.name)
                 if self.shadow is not None and not self.is_backfill(pod.request):
                     self.shadow.place(pod.request, pod.assignment)
                 self._started[pod.name] = pod.bound_at if pod.bound_at is not None else self.now()
-            elif pod.phase is PodPhase.PENDING and enqueue:
+            elif pod.phase is PodPhase.PENDING and enqueue and self.queue_pods:
                 self.queue.add(pod.request, pod.created_at)
         return state
 
@@ -214,7 +226,7 @@ class Scheduler:
     def _on_event(self, event: ClusterEvent) -> None:
         kind = event.kind
         if kind is EventKind.POD_ADDED and event.pod is not None:
-            if event.pod.phase is PodPhase.PENDING:
+            if event.pod.phase is PodPhase.PENDING and self.queue_pods:
                 self._on_added(event.pod.request, event.time)
         elif kind is EventKind.POD_BOUND and event.pod is not None:
             self._started[event.pod.name] = event.time
@@ -314,16 +326,28 @@ class Scheduler:
             return decision
         return self._reserve_and_bind(pod, decision)
 
+    def assume(self, pod: PodRequest, assignment: Assignment) -> None:
+        """Reserve `assignment` in the cache ahead of a bind; `settle` ends the reservation.
+
+        For callers that bind through the port themselves (an extender binds outside its state lock).
+        """
+        if pod.name not in self.state.bindings:
+            self._place(pod, assignment)
+        self._assumed[pod.name] = assignment
+
+    def settle(self, pod: str, status: Status) -> None:
+        """The bind of an assumed pod returned `status`: forget the reservation if it failed (unless the
+        world's watch already replaced it)."""
+        still_assumed = self._assumed.pop(pod, None) is not None
+        if not status.ok and still_assumed and pod in self.state.bindings:
+            self._release(pod)
+
     def _reserve_and_bind(self, pod: PodRequest, decision: Decision) -> Decision:
         assert decision.assignment is not None
-        if pod.name not in self.state.bindings:
-            self._place(pod, decision.assignment)
-        self._assumed[pod.name] = decision.assignment
+        self.assume(pod, decision.assignment)
         status = self.port.bind(pod.name, decision.assignment)
-        still_assumed = self._assumed.pop(pod.name, None) is not None
+        self.settle(pod.name, status)
         if not status.ok:
-            if still_assumed and pod.name in self.state.bindings:
-                self._release(pod.name)
             return Decision(status, None, -1, decision.diagnosis)
         return decision
 

@@ -1,0 +1,587 @@
+"""`KubeCluster`: the cluster port over the Kubernetes API.
+
+Reads come from informers on nodes and pods (`gpuplane.kube.informer`), converted with `gpuplane.kube.objects`;
+writes are API calls. The port's semantics follow the simulated cluster, with the differences the API imposes:
+
+- Events. Informer changes are queued and turned into `ClusterEvent`s by `pump()`, which also updates the
+  view `list_nodes`/`list_pods` read, so a list and the events after it never disagree. With
+  `dispatch="thread"` (the default) a dispatcher thread pumps, delivering under `lock`; a subscriber that also
+  lists (a scheduler building its cache) should do both under `with cluster.lock:`. With `dispatch="manual"`
+  the owner calls `pump()` (a single-threaded scheduler loop). The port's own writes (bind, patches) pump at
+  once, so, as in the simulated cluster, their events have been delivered when the call returns.
+- Pods. A pod that ended (Failed, Succeeded) leaves `list_pods` (POD_FAILED, or POD_DELETED for a success).
+  A pod or node that cannot be read is logged and listed in `unreadable()`, never silently dropped; a pod that
+  was readable and turns unreadable keeps its last readable state in the view.
+- Nodes. NODE_UPDATED is sent when a node's spec (as gpuplane reads it) or annotations change, not for every
+  status heartbeat; `NodeInfo.resource_version` is the node's resourceVersion at that change.
+- `bind` records the card assignment on the pod (a merge patch guarded by the pod's resourceVersion), then
+  posts the Binding; a Binding refused outright takes the assignment back off the pod (bind-phase `failed`).
+  It does not re-check card fit: the API server has no card accounting; the scheduler's cache is the check.
+- `evict` posts a policy/v1 Eviction. 429 (a PodDisruptionBudget forbids it now) is retried with back-off;
+  when the retries run out the answer is `Status(Code.PENDING, ("blocked: …",))`: not done, not failed, try
+  again later. 404 is success (already gone).
+- `scale(workload)`: `namespace/Kind/name` with Kind Deployment, ReplicaSet or StatefulSet, or
+  `namespace/name` for a Deployment. A ReplicaSet controlled by a Deployment scales the Deployment (the
+  Deployment controller would undo a change to its ReplicaSet). Pod removal order is the controllers' business.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
+from gpuplane.kube.informer import DELETED, Informer, resource_version
+from gpuplane.kube.objects import (
+    ASSIGNED_AT,
+    ASSIGNMENT,
+    BIND_PHASE,
+    CHECKPOINT_EVERY,
+    GANG_LABEL,
+    GANG_SIZE,
+    GPU_MODELS,
+    INSTANCE_LABEL,
+    MIG_PROFILE,
+    PHASE_FAILED,
+    POOL_LABEL,
+    QOS_LABEL,
+    QUEUE_LABEL,
+    RES_CORES,
+    RES_DECODERS,
+    RES_ENCODERS,
+    RES_GPU,
+    RES_MEM,
+    RES_MEM_PCT,
+    RES_RDMA,
+    SCHEDULER_NAME,
+    WORKLOAD_LABEL,
+    ObjectError,
+    assignment_annotations,
+    node_info,
+    object_key,
+    pod_info,
+    split_key,
+    taints_json,
+)
+from gpuplane.model import Assignment, Catalog, Fraction, MigSlice, PodRequest, Taint, WholeCards
+from gpuplane.port import (
+    Clock,
+    ClusterEvent,
+    EventKind,
+    Handler,
+    NodeInfo,
+    PodInfo,
+    PodPhase,
+    Status,
+    Unsubscribe,
+    WallClock,
+)
+from gpuplane.port.status import Code
+
+log = logging.getLogger(__name__)
+
+EVICTION_REASON = "gpuplane.io/eviction-reason"
+FAILED_REASON = "GpuplaneFailed"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+SCALABLE = {"Deployment": "deployments", "ReplicaSet": "replicasets", "StatefulSet": "statefulsets"}
+
+_Change = tuple[str, str, JsonObject | None, JsonObject | None]  # (resource, type, old, new)
+
+
+def _api_reason(exc: ApiError) -> str:
+    return f"{exc.status} {exc.reason}: {exc.message}".strip()
+
+
+class KubeCluster:
+    """The `ClusterPort` of a Kubernetes cluster.
+
+    `api`: how to reach the API server. `clock`: event times and `assigned-at` stamps. `sleep`: the eviction
+    back-off (default: real time, cut short by `close()`); the informers wait on real time. `namespace`: watch
+    one namespace's pods only (None: all). `start=False` leaves the informers stopped until `start()`.
+    """
+
+    def __init__(self, api: KubeApi, catalog: Catalog, *, clock: Clock | None = None,
+                 sleep: Callable[[float], None] | None = None, namespace: str | None = None,
+                 pod_label_selector: str | None = None, dispatch: Literal["thread", "manual"] = "thread",
+                 eviction_attempts: int = 4, eviction_backoff_s: float = 1.0, watch_timeout_s: int = 300,
+                 sync_timeout_s: float = 30.0, start: bool = True) -> None:
+        self.api = api
+        self.catalog = catalog
+        self.clock: Clock = clock if clock is not None else WallClock()
+        self._sleep = sleep
+        self.eviction_attempts = max(1, eviction_attempts)
+        self.eviction_backoff_s = eviction_backoff_s
+        self.sync_timeout_s = sync_timeout_s
+        self.dispatch = dispatch
+        self.lock = threading.RLock()
+        """Held while events are delivered and the view changes."""
+        self._changes: deque[_Change] = deque()
+        self._pending = threading.Condition(threading.Lock())
+        self._handlers: list[Handler] = []
+        self._delivering = False
+        self._nodes: dict[str, NodeInfo] = {}
+        self._pods: dict[str, PodInfo] = {}
+        self._unreadable: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self._dispatcher: threading.Thread | None = None
+        pods = pod_path(namespace) if namespace else "/api/v1/pods"
+        self.nodes = Informer(api, node_path(), watch_timeout_s=watch_timeout_s, name="nodes")
+        self.pods = Informer(api, pods, label_selector=pod_label_selector, watch_timeout_s=watch_timeout_s,
+                             name="pods")
+        self.nodes.add_handler(lambda t, old, new: self._queue("node", t, old, new))
+        self.pods.add_handler(lambda t, old, new: self._queue("pod", t, old, new))
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the informers and wait for their first lists (TimeoutError after `sync_timeout_s`)."""
+        self.nodes.start()
+        self.pods.start()
+        if not (self.nodes.wait_synced(self.sync_timeout_s) and self.pods.wait_synced(self.sync_timeout_s)):
+            raise TimeoutError(f"the API server did not answer the first lists within {self.sync_timeout_s}s "
+                               f"({self.nodes.last_error or self.pods.last_error or 'no answer'})")
+        self.pump()
+        if self.dispatch == "thread" and self._dispatcher is None:
+            self._dispatcher = threading.Thread(target=self._dispatch_loop, name="kubecluster events", daemon=True)
+            self._dispatcher.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self.nodes.stop()
+        self.pods.stop()
+        with self._pending:
+            self._pending.notify_all()
+        if self._dispatcher is not None:
+            self._dispatcher.join(5.0)
+
+    def __enter__(self) -> KubeCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ events
+    def _queue(self, resource: str, event_type: str, old: JsonObject | None, new: JsonObject | None) -> None:
+        with self._pending:
+            self._changes.append((resource, event_type, old, new))
+            self._pending.notify_all()
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._pending:
+                if not self._changes:
+                    self._pending.wait(0.5)
+            self.pump()
+
+    def wait_for_changes(self, timeout_s: float) -> bool:
+        """Block until informer changes wait to be pumped (manual dispatch); whether any do."""
+        with self._pending:
+            if not self._changes:
+                self._pending.wait(timeout_s)
+            return bool(self._changes)
+
+    def pump(self) -> int:
+        """Apply queued informer changes to the view and deliver their events, in order, on this thread.
+
+        Returns the number of events delivered. Reentrant calls (from a handler) return 0 at once: the
+        outer call delivers what they would have.
+        """
+        delivered = 0
+        with self.lock:
+            if self._delivering:
+                return 0
+            self._delivering = True
+            try:
+                while True:
+                    with self._pending:
+                        if not self._changes:
+                            break
+                        resource, event_type, old, new = self._changes.popleft()
+                    events = (self._node_change(event_type, new or old) if resource == "node"
+                              else self._pod_change(event_type, new or old))
+                    for event, handlers in events:
+                        for handler in handlers:
+                            if handler in self._handlers:
+                                handler(event)
+                        delivered += 1
+            finally:
+                self._delivering = False
+        return delivered
+
+    def _report(self, key: str, exc: ObjectError) -> None:
+        if self._unreadable.get(key) != str(exc):
+            log.warning("cannot read %s: %s", key, exc)
+        self._unreadable[key] = str(exc)
+
+    def _event(self, kind: EventKind, *, pod: PodInfo | None = None,
+               node: NodeInfo | None = None) -> tuple[ClusterEvent, tuple[Handler, ...]]:
+        return ClusterEvent(kind, self.clock.now(), pod, node), tuple(self._handlers)
+
+    def _node_change(self, event_type: str, obj: JsonObject | None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
+        assert obj is not None
+        key = f"node {object_key(obj)}"
+        name = object_key(obj)
+        prev = self._nodes.get(name)
+        if event_type == DELETED:
+            self._unreadable.pop(key, None)
+            if prev is None:
+                return []
+            del self._nodes[name]
+            return [self._event(EventKind.NODE_REMOVED, node=prev)]
+        try:
+            info = node_info(obj, self.catalog)
+        except ObjectError as exc:
+            self._report(key, exc)
+            return []
+        self._unreadable.pop(key, None)
+        if prev is None:
+            self._nodes[name] = info
+            return [self._event(EventKind.NODE_ADDED, node=info)]
+        if prev.spec == info.spec and prev.annotations == info.annotations:
+            return []
+        self._nodes[name] = info
+        return [self._event(EventKind.NODE_UPDATED, node=info)]
+
+    def _pod_change(self, event_type: str, obj: JsonObject | None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
+        assert obj is not None
+        name = object_key(obj)
+        key = f"pod {name}"
+        prev = self._pods.get(name)
+        if event_type == DELETED:
+            self._unreadable.pop(key, None)
+            if prev is None:
+                return []
+            del self._pods[name]
+            return [self._event(EventKind.POD_DELETED, pod=prev)]
+        try:
+            info = pod_info(obj, self.catalog)
+        except ObjectError as exc:
+            self._report(key, exc)
+            return []
+        self._unreadable.pop(key, None)
+        finished = info.phase in (PodPhase.FAILED, PodPhase.SUCCEEDED)
+        if prev is None and finished:
+            return []  # ended before we saw it: it holds nothing
+        events = []
+        if prev is None:
+            events.append(self._event(EventKind.POD_ADDED, pod=info))
+        if info.assignment is not None and (prev is None or prev.assignment is None):
+            events.append(self._event(EventKind.POD_BOUND, pod=info))
+        if info.phase is PodPhase.TERMINATING and (prev is None or prev.phase is not PodPhase.TERMINATING):
+            events.append(self._event(EventKind.POD_TERMINATING, pod=info))
+        if finished:
+            del self._pods[name]
+            kind = EventKind.POD_FAILED if info.phase is PodPhase.FAILED else EventKind.POD_DELETED
+            events.append(self._event(kind, pod=info))
+        else:
+            self._pods[name] = info
+        return events
+
+    # ------------------------------------------------------------------ reads
+    def list_nodes(self) -> Sequence[NodeInfo]:
+        with self.lock:
+            return list(self._nodes.values())
+
+    def list_pods(self) -> Sequence[PodInfo]:
+        with self.lock:
+            return list(self._pods.values())
+
+    def get_pod(self, name: str) -> PodInfo | None:
+        with self.lock:
+            return self._pods.get(name)
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        """Objects the codec refused, as (`pod ns/name` or `node name`, error); they are in no list."""
+        with self.lock:
+            return sorted(self._unreadable.items())
+
+    def watch(self, handler: Handler) -> Unsubscribe:
+        with self.lock:
+            self._handlers.append(handler)
+
+        def unsubscribe() -> None:
+            with self.lock:
+                if handler in self._handlers:
+                    self._handlers.remove(handler)
+
+        return unsubscribe
+
+    # ------------------------------------------------------------------ writes
+    def _absorb(self, informer: Informer, obj: JsonObject) -> None:
+        """The answer to our own write is the freshest object there is: into the cache and the view now."""
+        informer.offer(obj)
+        self.pump()
+
+    def create_pod(self, request: PodRequest) -> Status:
+        try:
+            body = pod_manifest(request)
+        except ValueError as exc:
+            return Status.error(f"rejected: pod {request.name}: {exc}")
+        namespace, _ = split_key(request.name)
+        try:
+            created = self.api.create(pod_path(namespace), body)
+        except ApiError as exc:
+            if exc.status == 409:
+                return Status.error(f"conflict: pod {request.name} already exists")
+            return Status.error(f"rejected: pod {request.name}: {_api_reason(exc)}")
+        self._absorb(self.pods, created)
+        return Status.success()
+
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        namespace, name = split_key(pod)
+        key = f"{namespace}/{name}"
+        with self.lock:
+            info = self._pods.get(key)
+            node = self._nodes.get(assignment.node)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is not PodPhase.PENDING:
+            return Status.error(f"conflict: pod {pod} is {info.phase.value}, not Pending")
+        if node is None:
+            return Status.error(f"conflict: node {assignment.node} not found")
+        if node_version is not None and node.resource_version != node_version:
+            return Status.error(f"conflict: node {assignment.node} changed "
+                                f"(version {node.resource_version}, expected {node_version})")
+        cached = self.pods.get(key)
+        meta: dict[str, Any] = {"annotations": assignment_annotations(assignment, self.clock.now())}
+        if cached is not None and cached.get("metadata", {}).get("resourceVersion"):
+            meta["resourceVersion"] = cached["metadata"]["resourceVersion"]
+        try:
+            recorded = self.api.patch(pod_path(namespace, name), {"metadata": meta})
+        except ApiError as exc:
+            if exc.status == 409:
+                return Status.error(f"conflict: pod {pod} changed before its assignment was recorded")
+            if exc.status == 404:
+                return Status.error(f"pod {pod} not found")
+            return Status.error(f"bind of {pod} failed recording the assignment: {_api_reason(exc)}")
+        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
+                   "target": {"apiVersion": "v1", "kind": "Node", "name": assignment.node}}
+        try:
+            self.api.create(pod_path(namespace, name, "binding"), binding)
+        except ApiError as exc:
+            if exc.status != 0:  # refused: take the assignment back (0: unknown, the watch will tell)
+                self._unrecord(namespace, name)
+            prefix = "conflict: " if exc.status == 409 else ""
+            return Status.error(f"{prefix}binding {pod} to {assignment.node} refused: {_api_reason(exc)}")
+        bound = copy.deepcopy(recorded)
+        bound.setdefault("spec", {})["nodeName"] = assignment.node
+        self.pods.assume(bound, resource_version(recorded))
+        self.pump()
+        return Status.success()
+
+    def _unrecord(self, namespace: str, name: str) -> None:
+        """Take a refused bind's assignment back off the pod, unless the pod got bound meanwhile."""
+        try:
+            current = self.api.get(pod_path(namespace, name))
+            if current.get("spec", {}).get("nodeName"):
+                return
+            patch = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"],
+                                  "annotations": {ASSIGNMENT: None, ASSIGNED_AT: None, BIND_PHASE: PHASE_FAILED}}}
+            self._absorb(self.pods, self.api.patch(pod_path(namespace, name), patch))
+        except ApiError as exc:
+            log.warning("could not take the assignment back off %s/%s: %s", namespace, name, exc)
+
+    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
+        namespace, name = split_key(pod)
+        if reason:
+            try:
+                self._absorb(self.pods, self.api.patch(pod_path(namespace, name),
+                                                       {"metadata": {"annotations": {EVICTION_REASON: reason}}}))
+            except ApiError as exc:
+                if exc.status == 404:
+                    return Status.success()
+                log.warning("could not record the eviction reason on %s: %s", pod, exc)
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace},
+                "deleteOptions": {"gracePeriodSeconds": max(0, int(grace_s))}}
+        blocked = ""
+        for attempt in range(self.eviction_attempts):
+            if attempt:
+                self._wait(self.eviction_backoff_s * 2 ** (attempt - 1))
+            try:
+                self.api.create(pod_path(namespace, name, "eviction"), body)
+                return Status.success()
+            except ApiError as exc:
+                if exc.status == 404:
+                    return Status.success()  # already gone
+                if exc.status == 429:
+                    blocked = exc.message
+                    continue
+                if exc.status == 500:
+                    return Status.error(f"eviction of {pod} refused: more than one PodDisruptionBudget may match "
+                                        f"it ({_api_reason(exc)})")
+                return Status.error(f"eviction of {pod} failed: {_api_reason(exc)}")
+        return Status(Code.PENDING, (f"blocked: disruption budget forbids evicting {pod} now "
+                                     f"({self.eviction_attempts} attempts): {blocked}",))
+
+    def _wait(self, delay_s: float) -> None:
+        if self._sleep is not None:
+            self._sleep(delay_s)
+        else:
+            self._stopping.wait(delay_s)
+
+    def delete_pod(self, pod: str) -> Status:
+        namespace, name = split_key(pod)
+        try:
+            self._absorb(self.pods, self.api.delete(pod_path(namespace, name)))
+        except ApiError as exc:
+            if exc.status == 404:
+                return Status.error(f"pod {pod} not found")
+            return Status.error(f"delete of {pod} failed: {_api_reason(exc)}")
+        return Status.success()
+
+    def fail_pod(self, pod: str, reason: str) -> Status:
+        namespace, name = split_key(pod)
+        info = self.get_pod(f"{namespace}/{name}")
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is not PodPhase.PENDING:
+            return Status.error(f"conflict: pod {pod} is {info.phase.value}, not Pending")
+        patch = {"status": {"phase": "Failed", "reason": FAILED_REASON, "message": reason}}
+        try:
+            self._absorb(self.pods, self.api.patch(pod_path(namespace, name, "status"), patch))
+        except ApiError as exc:
+            if exc.status == 404:
+                return Status.error(f"pod {pod} not found")
+            return Status.error(f"failing {pod} failed: {_api_reason(exc)}")
+        return Status.success()
+
+    def scale(self, workload: str, replicas: int) -> Status:
+        if replicas < 0:
+            return Status.error(f"replicas must not be negative, got {replicas}")
+        parts = workload.split("/")
+        if len(parts) == 2:
+            namespace, kind, name = parts[0], "Deployment", parts[1]
+        elif len(parts) == 3:
+            namespace, kind, name = parts
+        else:
+            return Status.error(f"workload {workload!r} is not namespace/Kind/name or namespace/name")
+        if kind not in SCALABLE:
+            return Status.error(f"workload {workload}: cannot scale a {kind} (only {', '.join(sorted(SCALABLE))})")
+        path = f"/apis/apps/v1/namespaces/{namespace}/{SCALABLE[kind]}/{name}"
+        try:
+            if kind == "ReplicaSet":
+                owner = next((ref for ref in self.api.get(path).get("metadata", {}).get("ownerReferences") or []
+                              if ref.get("controller") and ref.get("kind") == "Deployment"), None)
+                if owner is not None:
+                    path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{owner['name']}"
+            self.api.patch(f"{path}/scale", {"spec": {"replicas": replicas}})
+        except ApiError as exc:
+            if exc.status == 404:
+                return Status.error(f"workload {workload} not found")
+            return Status.error(f"scaling {workload} failed: {_api_reason(exc)}")
+        return Status.success()
+
+    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
+        namespace, name = split_key(pod)
+        try:
+            self._absorb(self.pods, self.api.patch(pod_path(namespace, name),
+                                                   {"metadata": {"annotations": dict(annotations)}}))
+        except ApiError as exc:
+            if exc.status == 404:
+                return Status.error(f"pod {pod} not found")
+            if exc.status == 422:
+                return Status.error(f"invalid: {exc.message}")
+            return Status.error(f"patching {pod} failed: {_api_reason(exc)}")
+        return Status.success()
+
+    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
+                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
+                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
+        metadata: dict[str, Any] = {}
+        spec: dict[str, Any] = {}
+        all_labels = dict(labels or {})
+        if pool is not None:
+            all_labels[POOL_LABEL] = pool
+        if all_labels:
+            metadata["labels"] = all_labels
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        if taints is not None:
+            spec["taints"] = taints_json(taints)  # a merge patch replaces the whole list
+        if unschedulable is not None:
+            spec["unschedulable"] = unschedulable
+        patch = {k: v for k, v in (("metadata", metadata), ("spec", spec)) if v}
+        if not patch:
+            return Status.success()
+        try:
+            self._absorb(self.nodes, self.api.patch(node_path(node), patch))
+        except ApiError as exc:
+            if exc.status == 404:
+                return Status.error(f"node {node} not found")
+            if exc.status == 422:
+                return Status.error(f"invalid: {exc.message}")
+            return Status.error(f"patching node {node} failed: {_api_reason(exc)}")
+        return Status.success()
+
+
+def pod_manifest(request: PodRequest) -> JsonObject:
+    """A minimal pod (one pause container) that `objects.pod_request` reads back as `request`.
+
+    Raises ValueError for what a pod cannot say: a fraction of compute that is not whole percent, or more than
+    one pool. A vGPU package is written as its compute and memory (the package name is not kept).
+    """
+    namespace, name = split_key(request.name)
+    limits: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if request.cpu_milli:
+        limits["cpu"] = f"{request.cpu_milli}m"
+    if request.memory_mib:
+        limits["memory"] = f"{request.memory_mib}Mi"
+    gpu = request.gpu
+    if isinstance(gpu, WholeCards):
+        limits[RES_GPU] = str(gpu.count)
+    elif isinstance(gpu, Fraction):
+        if gpu.compute_milli % 10:
+            raise ValueError(f"{RES_CORES} is in whole percent; {gpu.compute_milli} milli-cards is not")
+        limits[RES_GPU] = "1"
+        for resource, value in ((RES_CORES, gpu.compute_milli // 10), (RES_MEM, gpu.memory_mib),
+                                (RES_MEM_PCT, gpu.memory_pct), (RES_ENCODERS, gpu.encoders),
+                                (RES_DECODERS, gpu.decoders)):
+            if value:
+                limits[resource] = str(value)
+    elif isinstance(gpu, MigSlice):
+        limits[RES_GPU] = "1"
+        annotations[MIG_PROFILE] = str(gpu.profile)
+    if request.rdma_vfs:
+        limits[RES_RDMA] = str(request.rdma_vfs)
+    labels = dict(request.labels)
+    labels[QOS_LABEL] = request.qos.value
+    if request.queue is not None:
+        labels[QUEUE_LABEL] = request.queue
+    if request.workload is not None:
+        labels[WORKLOAD_LABEL] = request.workload
+    if request.instance is not None:
+        labels[INSTANCE_LABEL] = str(request.instance)
+    if request.gang is not None:
+        labels[GANG_LABEL] = request.gang
+        annotations[GANG_SIZE] = str(request.gang_size)
+    if request.models is not None:
+        annotations[GPU_MODELS] = ",".join(sorted(request.models))
+    if request.checkpoint_every_s:
+        annotations[CHECKPOINT_EVERY] = repr(request.checkpoint_every_s)
+    spec: dict[str, Any] = {
+        "schedulerName": SCHEDULER_NAME,
+        "containers": [{"name": "main", "image": PAUSE_IMAGE, "resources": {"limits": limits, "requests": limits}}],
+    }
+    if request.priority_class is not None:
+        spec["priorityClassName"] = request.priority_class
+    if request.priority:
+        spec["priority"] = request.priority  # admission refuses it unless it equals the class's value
+    if request.preempt is not None:
+        spec["preemptionPolicy"] = "PreemptLowerPriority" if request.preempt else "Never"
+    if request.pools is not None:
+        if len(request.pools) != 1:
+            raise ValueError(f"a pod's node selector names one pool, not {sorted(request.pools)}")
+        spec["nodeSelector"] = {POOL_LABEL: next(iter(request.pools))}
+    if request.tolerations:
+        spec["tolerations"] = [{"key": t.key, "operator": "Exists"} if t.value is None
+                               else {"key": t.key, "operator": "Equal", "value": t.value}
+                               for t in request.tolerations]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+            "spec": spec}

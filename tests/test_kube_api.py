@@ -1,0 +1,475 @@
+"""`RestKubeApi` against the local API server over real HTTP, the server's API semantics, and the informer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
+
+from gpuplane.kube.api import ApiError, KubeApi, RestKubeApi, pod_path
+from gpuplane.kube.informer import Informer
+
+PODS = "/api/v1/namespaces/default/pods"
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases"
+DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
+
+
+@pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as fake:
+        yield fake
+
+
+def raw(server: FakeApiServer, method: str, path: str, body: Any = None,
+        content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+    """One request with the standard library, to see the status code the server answers."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method=method,
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll until `check` holds (threads deliver asynchronously); a deadline, not a speed assertion."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.01)
+    return check()
+
+
+def test_rest_api_is_a_kube_api(server: FakeApiServer) -> None:
+    assert isinstance(server.api, KubeApi)
+
+
+# ------------------------------------------------------------------ status codes
+def test_crud_status_codes_and_status_bodies(server: FakeApiServer) -> None:
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "gpuplane"},
+             "spec": {"holderIdentity": "a"}}
+    code, created = raw(server, "POST", LEASES, lease)
+    assert code == 201
+    assert created["metadata"]["uid"] and created["metadata"]["creationTimestamp"]
+    assert created["metadata"]["namespace"] == "kube-system"
+    code, body = raw(server, "POST", LEASES, lease)
+    assert (code, body["kind"], body["reason"], body["code"], body["status"]) == \
+        (409, "Status", "AlreadyExists", 409, "Failure")
+    code, body = raw(server, "GET", f"{LEASES}/missing")
+    assert (code, body["reason"]) == (404, "NotFound")
+    code, _ = raw(server, "PUT", f"{LEASES}/missing", lease)
+    assert code == 404
+    stale = created["metadata"]["resourceVersion"]
+    changed = {**created, "spec": {"holderIdentity": "b"}}
+    code, replaced = raw(server, "PUT", f"{LEASES}/gpuplane", changed)
+    assert code == 200 and int(replaced["metadata"]["resourceVersion"]) > int(stale)
+    code, body = raw(server, "PUT", f"{LEASES}/gpuplane", {**changed, "spec": {"holderIdentity": "c"}})
+    assert (code, body["reason"]) == (409, "Conflict")  # the resourceVersion it carries is stale now
+    code, _ = raw(server, "DELETE", f"{LEASES}/gpuplane")
+    assert code == 200
+    code, _ = raw(server, "DELETE", f"{LEASES}/gpuplane")
+    assert code == 404
+
+
+def test_api_errors_carry_the_status(server: FakeApiServer) -> None:
+    api = server.api
+    api.create(PODS, pod_json("p"))
+    with pytest.raises(ApiError) as exists:
+        api.create(PODS, pod_json("p"))
+    assert (exists.value.status, exists.value.reason) == (409, "AlreadyExists")
+    assert exists.value.body["kind"] == "Status"
+    with pytest.raises(ApiError) as missing:
+        api.get(pod_path("default", "nope"))
+    assert (missing.value.status, missing.value.reason) == (404, "NotFound")
+    current = api.get(pod_path("default", "p"))
+    api.patch(pod_path("default", "p"), {"metadata": {"labels": {"x": "1"}}})
+    with pytest.raises(ApiError) as conflict:
+        api.replace(pod_path("default", "p"), current)
+    assert (conflict.value.status, conflict.value.reason) == (409, "Conflict")
+
+
+def test_no_answer_is_a_status_zero_error() -> None:
+    with FakeApiServer() as fake:
+        url = fake.url
+    api = RestKubeApi.from_url(url, request_timeout_s=2.0)
+    with pytest.raises(ApiError) as error:
+        api.get("/api/v1/nodes")
+    assert (error.value.status, error.value.reason) == (0, "ConnectionError")
+
+
+def test_injected_failures_answer_once(server: FakeApiServer) -> None:
+    server.add_node(node_json("n1"))
+    server.fail_next("GET", r"^/api/v1/nodes/n1$", 503, "ServiceUnavailable")
+    with pytest.raises(ApiError) as error:
+        server.api.get("/api/v1/nodes/n1")
+    assert (error.value.status, error.value.reason) == (503, "ServiceUnavailable")
+    assert server.api.get("/api/v1/nodes/n1")["metadata"]["name"] == "n1"
+
+
+# ------------------------------------------------------------------ lists
+def test_list_follows_continue_tokens_and_filters(server: FakeApiServer) -> None:
+    # 120 pods, pages of 50 (the fixture's client): 50 + 50 + 20 = three requests, one resourceVersion.
+    for i in range(120):
+        server.add_pod(pod_json(f"p{i:03d}", node="n1" if i % 3 == 0 else None, labels={"team": f"t{i % 2}"}))
+    rv_before = server.resource_version
+    items, rv = server.api.list("/api/v1/pods")
+    assert [i["metadata"]["name"] for i in items] == [f"p{i:03d}" for i in range(120)]
+    assert rv == str(rv_before)
+    pages = server.requests_to(r"^/api/v1/pods$")
+    assert len(pages) == 3
+    on_n1, _ = server.api.list("/api/v1/pods", field_selector="spec.nodeName=n1")
+    assert len(on_n1) == 40  # i % 3 == 0 for i in 0..119
+    both, _ = server.api.list(PODS, label_selector="team=t0", field_selector="spec.nodeName=n1")
+    assert len(both) == 20  # i % 6 == 0
+    unbound, _ = server.api.list("/api/v1/pods", field_selector="spec.nodeName=")
+    assert len(unbound) == 80
+
+
+def test_a_compacted_continue_token_is_410(server: FakeApiServer) -> None:
+    for i in range(60):
+        server.add_pod(pod_json(f"p{i}"))
+    code, first = raw(server, "GET", "/api/v1/pods?limit=50")
+    assert code == 200 and first["metadata"]["remainingItemCount"] == 10
+    server.compact()
+    code, body = raw(server, "GET", f"/api/v1/pods?limit=50&continue={first['metadata']['continue']}")
+    assert (code, body["reason"]) == (410, "Expired")
+
+
+@pytest.mark.parametrize(("selector", "names"), [
+    ("gpu=yes", ["a"]),
+    ("gpu!=yes", ["b", "c"]),
+    ("gpu", ["a", "b"]),
+    ("!gpu", ["c"]),
+    ("tier in (x, y)", ["a", "c"]),
+    ("tier notin (x)", ["b", "c"]),
+    ("gpu,tier=x", ["a"]),
+])
+def test_label_selectors(server: FakeApiServer, selector: str, names: list[str]) -> None:
+    server.add_pod(pod_json("a", labels={"gpu": "yes", "tier": "x"}))
+    server.add_pod(pod_json("b", labels={"gpu": "no"}))
+    server.add_pod(pod_json("c", labels={"tier": "y"}))
+    items, _ = server.api.list(PODS, label_selector=selector)
+    assert [i["metadata"]["name"] for i in items] == names
+
+
+# ------------------------------------------------------------------ patches
+def test_patch_types(server: FakeApiServer) -> None:
+    api = server.api
+    server.add_pod(pod_json("p", labels={"a": "1", "b": "2"}))
+    path = pod_path("default", "p")
+    merged = api.patch(path, {"metadata": {"labels": {"a": None, "c": "3"}}})
+    assert merged["metadata"]["labels"] == {"b": "2", "c": "3"}  # null removes, maps merge
+    tolerations = [{"key": "gpu", "operator": "Exists"}]
+    api.patch(path, {"spec": {"tolerations": tolerations}}, patch_type="strategic")
+    strategic = api.patch(path, {"spec": {"tolerations": [{"key": "x", "operator": "Exists"}]}},
+                          patch_type="strategic")
+    assert strategic["spec"]["tolerations"] == [{"key": "x", "operator": "Exists"}]  # lists replaced (documented)
+    jsonpatched = api.patch(path, [{"op": "add", "path": "/metadata/labels/d", "value": "4"},
+                                   {"op": "remove", "path": "/metadata/labels/b"}], patch_type="json")
+    assert jsonpatched["metadata"]["labels"] == {"c": "3", "d": "4"}
+    content_types = [body for method, p, body in server.requests if method == "PATCH"]
+    assert len(content_types) == 4
+    with pytest.raises(ApiError) as failed:
+        api.patch(path, [{"op": "test", "path": "/metadata/labels/c", "value": "nope"}], patch_type="json")
+    assert failed.value.status == 422
+    with pytest.raises(TypeError):
+        api.patch(path, {"not": "a list"}, patch_type="json")
+
+
+def test_the_main_resource_never_writes_status(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("p"))
+    server.api.patch(pod_path("default", "p"), {"status": {"phase": "Running"}})
+    assert server.get("pods", "default/p")["status"]["phase"] == "Pending"  # type: ignore[index]
+    server.api.patch(pod_path("default", "p", "status"), {"status": {"phase": "Failed"}})
+    assert server.get("pods", "default/p")["status"]["phase"] == "Failed"  # type: ignore[index]
+
+
+# ------------------------------------------------------------------ binding, eviction, scale
+def test_binding(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("p"))
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p"},
+               "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"}}
+    code, body = raw(server, "POST", f"{PODS}/p/binding", binding)
+    assert (code, body["status"]) == (201, "Success")
+    assert server.get("pods", "default/p")["spec"]["nodeName"] == "n1"  # type: ignore[index]
+    code, body = raw(server, "POST", f"{PODS}/p/binding", binding)
+    assert (code, body["reason"]) == (409, "Conflict")
+    code, _ = raw(server, "POST", f"{PODS}/ghost/binding", {**binding, "metadata": {"name": "ghost"}})
+    assert code == 404
+
+
+def eviction(name: str, grace: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name}}
+    if grace is not None:
+        body["deleteOptions"] = {"gracePeriodSeconds": grace}
+    return body
+
+
+def test_eviction_answers(server: FakeApiServer) -> None:
+    for name in ("ok", "blocked", "multi"):
+        server.add_pod(pod_json(name, node="n1", phase="Running"))
+    code, _ = raw(server, "POST", f"{PODS}/ok/eviction", eviction("other"))
+    assert code == 400  # metadata.name must equal the URL's
+    server.block_eviction("default/blocked", times=1)
+    code, body = raw(server, "POST", f"{PODS}/blocked/eviction", eviction("blocked"))
+    assert (code, body["reason"], body["details"]["causes"][0]["reason"]) == \
+        (429, "TooManyRequests", "DisruptionBudget")
+    code, _ = raw(server, "POST", f"{PODS}/blocked/eviction", eviction("blocked"))
+    assert code == 201  # blocked once only
+    server.several_pdbs("default/multi")
+    code, body = raw(server, "POST", f"{PODS}/multi/eviction", eviction("multi"))
+    assert (code, body["reason"]) == (500, "InternalError")
+    code, _ = raw(server, "POST", f"{PODS}/ok/eviction", eviction("ok"))
+    assert code == 201
+    assert server.get("pods", "default/ok") is None
+    code, _ = raw(server, "POST", f"{PODS}/ok/eviction", eviction("ok"))
+    assert code == 404
+
+
+def test_an_evicted_pod_terminates_before_it_goes() -> None:
+    with FakeApiServer(pod_deletion_delay_s=None) as server:
+        server.add_pod(pod_json("p", node="n1", phase="Running"))
+        server.api.create(f"{PODS}/p/eviction", eviction("p", grace=7))
+        pod = server.get("pods", "default/p")
+        assert pod is not None and pod["metadata"]["deletionTimestamp"]
+        assert pod["metadata"]["deletionGracePeriodSeconds"] == 7
+        server.finish_deletion("default/p")
+        assert server.get("pods", "default/p") is None
+
+
+def test_scale_subresource(server: FakeApiServer) -> None:
+    server.add_object(DEPLOYMENTS, {"metadata": {"name": "web"}, "spec": {"replicas": 2}})
+    scale = server.api.get(f"{DEPLOYMENTS}/web/scale")
+    assert (scale["kind"], scale["apiVersion"], scale["spec"]["replicas"]) == ("Scale", "autoscaling/v1", 2)
+    answer = server.api.patch(f"{DEPLOYMENTS}/web/scale", {"spec": {"replicas": 5}})
+    assert answer["spec"] == {"replicas": 5}
+    assert server.get("deployments", "default/web")["spec"]["replicas"] == 5  # type: ignore[index]
+
+
+def test_scale_put_checks_the_resource_version(server: FakeApiServer) -> None:
+    server.add_object(DEPLOYMENTS, {"metadata": {"name": "web"}, "spec": {"replicas": 2}})
+    scale = server.api.get(f"{DEPLOYMENTS}/web/scale")
+    server.api.patch(f"{DEPLOYMENTS}/web/scale", {"spec": {"replicas": 5}})
+    with pytest.raises(ApiError) as stale:
+        server.api.replace(f"{DEPLOYMENTS}/web/scale", {**scale, "spec": {"replicas": 1}})
+    assert stale.value.status == 409
+    fresh = server.api.get(f"{DEPLOYMENTS}/web/scale")
+    assert server.api.replace(f"{DEPLOYMENTS}/web/scale", {**fresh, "spec": {"replicas": 1}})["spec"] == \
+        {"replicas": 1}
+    with pytest.raises(ApiError) as negative:
+        server.api.patch(f"{DEPLOYMENTS}/web/scale", {"spec": {"replicas": -1}})
+    assert negative.value.status == 422
+
+
+def test_custom_resources_namespaced_and_cluster_scoped(server: FakeApiServer) -> None:
+    api = server.api
+    namespaced = "/apis/gpuplane.io/v1alpha1/namespaces/ml/trainingjobs"
+    cluster = "/apis/gpuplane.io/v1alpha1/gpupools"
+    job = api.create(namespaced, {"apiVersion": "gpuplane.io/v1alpha1", "kind": "TrainingJob",
+                                  "metadata": {"name": "j"}, "spec": {"workers": 2}})
+    assert job["kind"] == "TrainingJob" and job["metadata"]["namespace"] == "ml"
+    api.create(cluster, {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool", "metadata": {"name": "dev"}})
+    assert api.get(f"{cluster}/dev")["metadata"].get("namespace") is None
+    api.patch(f"{namespaced}/j/status", {"status": {"phase": "Running"}})
+    assert api.get(f"{namespaced}/j")["status"] == {"phase": "Running"}
+    assert [i["metadata"]["name"] for i in api.list(namespaced)[0]] == ["j"]
+    api.delete(f"{namespaced}/j")
+    assert api.list(namespaced)[0] == []
+
+
+# ------------------------------------------------------------------ watch
+def collect(stream: Iterator[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    return [(kind, obj["metadata"].get("name", "")) for kind, obj in stream]
+
+
+def test_watch_resumes_from_a_resource_version(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    _, rv = server.api.list(PODS)
+    server.add_pod(pod_json("b"))
+    server.api.patch(pod_path("default", "a"), {"metadata": {"labels": {"x": "1"}}})
+    server.api.delete(pod_path("default", "b"))
+    events = collect(server.api.watch(PODS, rv, timeout_s=1))
+    # Three changes after the list, then the bookmark the server sends as the watch times out.
+    assert events == [("ADDED", "b"), ("MODIFIED", "a"), ("DELETED", "b"), ("BOOKMARK", "")]
+
+
+def test_watch_from_nothing_starts_with_the_current_objects(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    assert collect(server.api.watch(PODS, "", timeout_s=1))[:1] == [("ADDED", "a")]
+
+
+def test_watch_with_a_field_selector_sees_objects_enter_and_leave(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    _, rv = server.api.list(PODS)
+    server.api.create(f"{PODS}/a/binding", {"metadata": {"name": "a"}, "target": {"name": "n1"}})
+    server.api.delete(pod_path("default", "a"))
+    events = collect(server.api.watch("/api/v1/pods", rv, timeout_s=1, field_selector="spec.nodeName=n1"))
+    # Bound: it enters the selection; deleted: it terminates (deletionTimestamp), then goes.
+    assert events[:3] == [("ADDED", "a"), ("MODIFIED", "a"), ("DELETED", "a")]
+
+
+def test_a_compacted_resource_version_is_410(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    _, rv = server.api.list(PODS)
+    server.add_pod(pod_json("b"))
+    server.compact()
+    with pytest.raises(ApiError) as gone:
+        server.api.watch(PODS, rv, timeout_s=1)
+    assert gone.value.status == 410
+
+
+def test_an_open_watch_gets_an_error_event_when_compacted(server: FakeApiServer) -> None:
+    _, rv = server.api.list(PODS)
+    stream = server.api.watch(PODS, rv, timeout_s=30)
+    assert wait_until(lambda: server.open_watches == 1)
+    server.compact()
+    with pytest.raises(ApiError) as gone:
+        collect(stream)
+    assert (gone.value.status, gone.value.reason) == (410, "Expired")
+
+
+def test_a_dropped_watch_raises_a_transport_error(server: FakeApiServer) -> None:
+    _, rv = server.api.list(PODS)
+    stream = server.api.watch(PODS, rv, timeout_s=30)
+    assert wait_until(lambda: server.open_watches == 1)
+    server.drop_watches()
+    with pytest.raises(ApiError) as dropped:
+        collect(stream)
+    assert dropped.value.status == 0
+
+
+def test_closing_a_watch_from_another_thread_ends_it(server: FakeApiServer) -> None:
+    _, rv = server.api.list(PODS)
+    stream = server.api.watch(PODS, rv, timeout_s=30)
+    seen: list[tuple[str, str]] = []
+    def read() -> None:
+        for kind, obj in stream:
+            seen.append((kind, obj["metadata"]["name"]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    server.add_pod(pod_json("a"))
+    assert wait_until(lambda: seen == [("ADDED", "a")])
+    stream.close()
+    reader.join(5)
+    assert not reader.is_alive()
+
+
+# ------------------------------------------------------------------ informer
+class Gate:
+    """An injected `sleep`: records each back-off and holds the informer until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self.opened = threading.Event()
+        self.waiting = threading.Event()
+
+    def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        self.waiting.set()
+        self.opened.wait(10)
+
+
+def recorder() -> tuple[list[tuple[str, str]], Callable[[str, Any, Any], None]]:
+    seen: list[tuple[str, str]] = []
+
+    def handler(kind: str, old: Any, new: Any) -> None:
+        obj = new if new is not None else old
+        seen.append((kind, obj["metadata"]["name"]))
+
+    return seen, handler
+
+
+def test_informer_lists_then_watches(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=5)
+    seen, handler = recorder()
+    informer.add_handler(handler)
+    informer.start()
+    try:
+        assert informer.wait_synced(5) and informer.has_synced
+        server.add_pod(pod_json("b"))
+        server.api.patch(pod_path("default", "a"), {"metadata": {"labels": {"x": "1"}}})
+        server.api.delete(pod_path("default", "b"))
+        assert wait_until(lambda: len(seen) == 4)
+        assert seen == [("ADDED", "a"), ("ADDED", "b"), ("MODIFIED", "a"), ("DELETED", "b")]
+        assert informer.keys() == ["default/a"]
+    finally:
+        informer.stop()
+
+
+def test_informer_rewatches_a_dropped_connection_from_where_it_was(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    gate = Gate()
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
+    seen, handler = recorder()
+    informer.add_handler(handler)
+    informer.start()
+    try:
+        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
+        server.drop_watches()
+        assert gate.waiting.wait(5)
+        server.add_pod(pod_json("b"))  # made while no watch is open
+        gate.opened.set()
+        assert wait_until(lambda: ("ADDED", "b") in seen)
+        assert gate.delays == [0.5]
+        assert (informer.rewatches, informer.relists) == (1, 0)  # resumed, no relist needed
+        lists = server.requests_to(r"^/api/v1/pods$")
+        assert len(lists) == 3  # list, watch, watch again
+    finally:
+        informer.stop()
+
+
+def test_informer_relists_on_410_and_reports_the_difference(server: FakeApiServer) -> None:
+    for name in ("keep", "change", "drop"):
+        server.add_pod(pod_json(name))
+    gate = Gate()
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
+    seen, handler = recorder()
+    informer.add_handler(handler)
+    informer.start()
+    try:
+        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
+        server.drop_watches()
+        assert gate.waiting.wait(5)
+        server.add_pod(pod_json("new"))
+        server.api.patch(pod_path("default", "change"), {"metadata": {"labels": {"x": "1"}}})
+        server.api.delete(pod_path("default", "drop"))
+        server.compact()  # the history the informer would resume from is gone: 410, relist
+        seen.clear()
+        gate.opened.set()
+        assert wait_until(lambda: len(seen) == 3)
+        assert sorted(seen) == [("ADDED", "new"), ("DELETED", "drop"), ("MODIFIED", "change")]
+        assert informer.relists == 1
+        assert informer.keys() == ["default/change", "default/keep", "default/new"]
+    finally:
+        informer.stop()
+
+
+def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30)
+    informer.start()
+    try:
+        assert informer.wait_synced(5)
+        patched = server.api.patch(pod_path("default", "a"), {"metadata": {"labels": {"step": "1"}}})
+        assumed = json.loads(json.dumps(patched))
+        assumed["spec"]["nodeName"] = "n1"
+        informer.assume(assumed, int(patched["metadata"]["resourceVersion"]))
+        # The watch brings the patch (not newer than the assumed write: skipped), then the binding.
+        server.api.create(f"{PODS}/a/binding", {"metadata": {"name": "a"}, "target": {"name": "n1"}})
+        assert wait_until(lambda: (informer.get("default/a") or {}).get("status", {}).get("conditions"))
+        cached = informer.get("default/a")
+        assert cached is not None and cached["spec"]["nodeName"] == "n1"
+    finally:
+        informer.stop()
