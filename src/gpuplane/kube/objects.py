@@ -184,9 +184,31 @@ def _int_annotation(annotations: Mapping[str, str], key: str, obj: str) -> int |
 
 
 # ------------------------------------------------------------------ pods
-def _containers(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    containers = spec.get("containers") or []
-    return [c for c in containers if isinstance(c, Mapping)]
+def _items(value: object, obj: str, field: str) -> list[Mapping[str, Any]]:
+    """A list of objects (None: empty); anything else names the field."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+        raise ObjectError(obj, field, f"must be a list of objects, got {type(value).__name__}")
+    return value
+
+
+def _resource_map(container: Mapping[str, Any], obj: str, field: str) -> dict[str, str]:
+    """`limits` over `requests` of one container."""
+    resources = container.get("resources")
+    if resources is None:
+        return {}
+    if not isinstance(resources, Mapping):
+        raise ObjectError(obj, f"{field}.resources", "must be an object")
+    merged: dict[str, str] = {}
+    for part in ("requests", "limits"):
+        values = resources.get(part)
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            raise ObjectError(obj, f"{field}.resources.{part}", "must be an object")
+        merged.update({str(k): str(v) for k, v in values.items()})
+    return merged
 
 
 def pod_resources(pod: Mapping[str, Any]) -> dict[str, Decimal]:
@@ -198,35 +220,30 @@ def pod_resources(pod: Mapping[str, Any]) -> dict[str, Decimal]:
     spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
     assert isinstance(spec, Mapping)
     total: dict[str, Decimal] = {}
-    for i, container in enumerate(_containers(spec)):
-        resources = container.get("resources") or {}
-        merged = {**_str_map(resources.get("requests")), **_str_map(resources.get("limits"))}
-        for name, raw in merged.items():
+    for i, container in enumerate(_items(spec.get("containers"), obj, "spec.containers")):
+        for name, raw in _resource_map(container, obj, f"spec.containers[{i}]").items():
             total[name] = total.get(name, Decimal(0)) + quantity(raw, obj, f"spec.containers[{i}].resources[{name}]")
-    for i, container in enumerate(spec.get("initContainers") or []):
-        if not isinstance(container, Mapping):
-            continue
-        resources = container.get("resources") or {}
-        merged = {**_str_map(resources.get("requests")), **_str_map(resources.get("limits"))}
-        for name, raw in merged.items():
+    for i, container in enumerate(_items(spec.get("initContainers"), obj, "spec.initContainers")):
+        for name, raw in _resource_map(container, obj, f"spec.initContainers[{i}]").items():
             value = quantity(raw, obj, f"spec.initContainers[{i}].resources[{name}]")
             total[name] = max(total.get(name, Decimal(0)), value)
     return total
 
 
 def wants_gpu(pod: Mapping[str, Any]) -> bool:
-    """Whether some container asks for one of gpuplane's resources (kube-scheduler's managedResources test)."""
+    """Whether some container asks for one of gpuplane's resources (kube-scheduler's managedResources test).
+
+    A pod too malformed to read counts as asking: whoever calls this then reads it and reports why."""
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return False
-    for container in [*_containers(spec), *(spec.get("initContainers") or [])]:
-        if not isinstance(container, Mapping):
-            continue
-        resources = container.get("resources") or {}
-        for part in ("limits", "requests"):
-            if any(name in MANAGED_RESOURCES for name in _str_map(resources.get(part))):
-                return True
-    return False
+    try:
+        obj = object_key(pod)
+        containers = [*_items(spec.get("containers"), obj, "spec.containers"),
+                      *_items(spec.get("initContainers"), obj, "spec.initContainers")]
+        return any(name in MANAGED_RESOURCES for c in containers for name in _resource_map(c, obj, "spec"))
+    except ObjectError:
+        return True
 
 
 def _gpu_form(resources: Mapping[str, Decimal], annotations: Mapping[str, str], obj: str) -> GpuForm | None:
@@ -288,7 +305,10 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     preemption_policy = spec.get("preemptionPolicy")
     tolerations = tuple(
         Toleration(str(t.get("key") or ""), None if t.get("operator") == "Exists" else str(t.get("value") or ""))
-        for t in spec.get("tolerations") or [] if isinstance(t, Mapping))
+        for t in _items(spec.get("tolerations"), obj, "spec.tolerations"))
+    priority = spec.get("priority") or 0
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ObjectError(obj, "spec.priority", f"must be an integer, got {priority!r}")
     checkpoint = annotations.get(CHECKPOINT_EVERY)
     instance = labels.get(INSTANCE_LABEL)
     try:
@@ -297,7 +317,7 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
             cpu_milli=int(resources.get("cpu", Decimal(0)) * 1000),
             memory_mib=int(resources.get("memory", Decimal(0)) / (1 << 20)),
             gpu=gpu, models=models,
-            priority=int(spec.get("priority") or 0),
+            priority=priority,
             priority_class=spec.get("priorityClassName") or None,
             preempt=None if preemption_policy is None else preemption_policy != "Never",
             qos=qos,

@@ -1,0 +1,407 @@
+"""`gpuplane extender`: serve kube-scheduler's HTTP extender; and its loopback load test (`run_load`).
+
+The load test builds a simulated 1,000-GPU-node world in this process, serves the extender on loopback,
+and drives it from a separate process (`multiprocessing`, spawn) with an open-loop stream of
+filter+prioritize pairs in kube-scheduler's exact JSON (nodeCacheCapable: `NodeNames` of every node) over
+keep-alive connections. Pair i starts at t0 + i/rate whatever the earlier pairs are doing; each pair is a
+filter, then a prioritize of the nodes it passed, as kube-scheduler calls them. Latency is from writing a
+request to reading its whole answer; `start_lag` is how late the client started pairs (client-side
+queueing; it should stay near zero, or the client was the bottleneck).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import multiprocessing
+import random
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import yaml
+
+from gpuplane.kube.api import ApiError, connect_api
+from gpuplane.kube.cluster import KubeCluster
+from gpuplane.kube.extender import (
+    DEFAULT_PORT,
+    DEFAULT_PREFIX,
+    Extender,
+    ExtenderServer,
+    describe_nodes,
+    scheduler_config,
+)
+from gpuplane.kube.objects import GPU_MODELS, RES_CORES, RES_GPU, RES_MEM, object_key
+from gpuplane.model import (
+    Catalog,
+    Fraction,
+    GpuForm,
+    GpuplaneError,
+    NodeSpec,
+    Topology,
+    WholeCards,
+    default_catalog,
+    make_request,
+)
+from gpuplane.scheduler import (
+    CardOnlyOneScope,
+    PolicyConfig,
+    PolicyError,
+    Profile,
+    Scheduler,
+    default_registry,
+    load_topo_config,
+)
+from gpuplane.sim.cluster import SimCluster
+
+
+# ------------------------------------------------------------------ policy
+def build_profile(node_policy: str, card_policy: str | None, scope: str = "workload", topo: Path | None = None,
+                  seed: int = 0) -> Profile:
+    """The scheduler profile as `simulate` picks it; `GpuplaneError` naming the flag on a bad choice."""
+    try:
+        scope_value = CardOnlyOneScope(scope)
+    except ValueError:
+        raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
+    try:
+        config = PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
+                              custom_topo=load_topo_config(topo) if topo is not None else None, seed=seed)
+        return default_registry().build(config)
+    except PolicyError as exc:
+        raise GpuplaneError(f"--node-policy/--card-policy: {exc}") from None
+
+
+# ------------------------------------------------------------------ the command
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("extender")
+    def extender(
+        port: Annotated[int, typer.Option(help="TCP port to listen on")] = DEFAULT_PORT,
+        host: Annotated[str, typer.Option(help="address to listen on (a kube-scheduler sidecar: loopback)")]
+            = "127.0.0.1",
+        prefix: Annotated[str, typer.Option(help="URL path prefix of the verbs (the urlPrefix's path)")]
+            = DEFAULT_PREFIX,
+        node_policy: Annotated[str, typer.Option("--node-policy", "--policy", help=(
+            "node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd-online, "
+            "fgd-used, colocation"))] = "binpack",
+        card_policy: Annotated[str | None, typer.Option(
+            help="card policy: binpack, spread, card-only-one, custom-topo or colocation "
+                 "(default: the node policy's own, else binpack)")] = None,
+        card_only_one_scope: Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
+            = "workload",
+        topo: Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")] = None,
+        seed: Annotated[int, typer.Option(help="seed for tie-breaks")] = 0,
+        kubeconfig: Annotated[Path | None, typer.Option(
+            help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")] = None,
+        context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
+        print_config: Annotated[bool, typer.Option(
+            "--print-config", help="print the KubeSchedulerConfiguration that calls this extender, and exit")]
+            = False,
+    ) -> None:
+        """Serve kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) over the cluster's API."""
+        if not 0 <= port <= 65535:
+            _fail(f"--port: must be 0…65535, got {port}")
+        if print_config:
+            url = f"http://{host}:{port}{'/' + prefix.strip('/') if prefix.strip('/') else ''}"
+            typer.echo(yaml.safe_dump(scheduler_config(url), sort_keys=False), nl=False)
+            return
+        if kubeconfig is not None and not kubeconfig.is_file():
+            _fail(f"--kubeconfig: {kubeconfig} is not a file")
+        try:
+            profile = build_profile(node_policy, card_policy, card_only_one_scope, topo, seed)
+        except GpuplaneError as exc:
+            _fail(str(exc))
+        catalog = default_catalog()
+        cluster = _kube_cluster(catalog, str(kubeconfig) if kubeconfig is not None else None, context)
+        core = Extender(cluster, catalog, profile, seed=seed, now=time.time, subscribe_lock=cluster.lock,
+                        uid_names=lambda uid: _pod_by_uid(cluster, uid))
+        server = ExtenderServer(core, host=host, port=port, prefix=prefix)
+        gc.freeze()  # the cache is long-lived: keep the collector off it (fewer, shorter pauses)
+        typer.echo(f"gpuplane extender on {server.url} ({profile.name}; "
+                   f"{describe_nodes(core.scheduler.state.nodes)})", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            core.close()
+            cluster.close()
+
+
+def _kube_cluster(catalog: Catalog, kubeconfig: str | None, context: str | None) -> KubeCluster:
+    try:
+        api = connect_api(kubeconfig, context)
+    except Exception as exc:  # kubernetes.config.ConfigException and friends: no usable configuration
+        _fail(f"--kubeconfig: cannot load a configuration: {exc}")
+    try:
+        return KubeCluster(api, catalog)
+    except (TimeoutError, ApiError) as exc:
+        _fail(f"cannot list nodes and pods from the API server: {exc}")
+
+
+def _pod_by_uid(cluster: KubeCluster, uid: str) -> str | None:
+    """`namespace/name` of the pod with `uid` in the cluster port's informer cache (preemption, rarely)."""
+    for pod in cluster.pods.objects():
+        if pod.get("metadata", {}).get("uid") == uid:
+            return object_key(pod)
+    return None
+
+
+# ------------------------------------------------------------------ the load test: world
+LOAD_MODELS: tuple[tuple[str, int, int], ...] = (
+    # (model, cards per node, share of nodes in %)
+    ("A100-40GB", 8, 20), ("A100-80GB", 8, 15), ("H100-80GB", 8, 15), ("V100-32GB", 8, 10),
+    ("T4", 4, 15), ("A10", 4, 10), ("L4", 8, 15),
+)
+
+
+def load_world(nodes: int = 1000, *, seed: int = 0, used: float = 0.4) -> tuple[Catalog, SimCluster]:
+    """A simulated cluster of `nodes` GPU nodes of mixed models, about `used` of the GPUs taken by pods
+    of mixed shapes (whole cards and shares) placed at random, so most nodes are partly used."""
+    catalog = default_catalog()
+    rng = random.Random(seed)
+    weights = [share for _, _, share in LOAD_MODELS]
+    specs: list[NodeSpec] = []
+    for i in range(nodes):
+        model, cards, _ = rng.choices(LOAD_MODELS, weights)[0]
+        specs.append(NodeSpec(name=f"gpu-node-{i:04d}", cpu_milli=cards * 12_000, memory_mib=cards * 98_304,
+                              gpu_model=model, gpus=cards, topology=Topology.default(cards)))
+    world = SimCluster(catalog, specs)
+    filler = Scheduler(world, catalog, build_profile("random", None, seed=seed), seed=seed)
+    target = used * sum(spec.gpus for spec in specs) * 1000
+    taken = 0
+    i = 0
+    while taken < target:
+        shape = rng.random()
+        if shape < 0.5:
+            gpu: GpuForm = WholeCards(rng.choice((1, 1, 2, 4)))
+        else:
+            gpu = Fraction(compute_milli=rng.choice((250, 500)), memory_mib=rng.choice((4096, 8192)))
+        request = make_request(catalog, f"load/filler-{i}", cpu_milli=2000, memory_mib=8192, gpu=gpu)
+        world.create_pod(request)
+        i += 1
+        taken += request.gpu_milli_total
+    filler.run_pending()
+    filler.close()
+    return catalog, world
+
+
+def sample_pod(name: str, *, namespace: str = "default", uid: str | None = None, cards: int = 1,
+               cores: int | None = None, memory_mib: int | None = None, models: Sequence[str] = (),
+               resource_version: str = "1") -> dict[str, Any]:
+    """A pending `v1.Pod` asking for gpuplane's resources, as kube-scheduler sends it."""
+    limits: dict[str, str] = {RES_GPU: str(cards), "cpu": "2", "memory": "8Gi"}
+    if cores is not None:
+        limits[RES_CORES] = str(cores)
+    if memory_mib is not None:
+        limits[RES_MEM] = str(memory_mib)
+    annotations = {GPU_MODELS: ",".join(models)} if models else {}
+    return {
+        "kind": "Pod", "apiVersion": "v1",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{namespace}-{name}",
+                     "resourceVersion": resource_version, "annotations": annotations,
+                     "creationTimestamp": "2026-11-29T15:31:00Z"},
+        "spec": {"schedulerName": "gpuplane-scheduler", "priority": 0,
+                 "containers": [{"name": "main", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                                 "resources": {"limits": limits, "requests": dict(limits)}}]},
+        "status": {"phase": "Pending"},
+    }
+
+
+LOAD_PODS: tuple[Mapping[str, Any], ...] = (
+    {"cards": 1},
+    {"cards": 1, "cores": 50, "memory_mib": 8192},
+    {"cards": 2},
+    {"cards": 4, "models": ("A100-80GB", "H100-80GB")},
+    {"cards": 1, "cores": 30, "memory_mib": 20000, "models": ("T4", "L4")},
+    {"cards": 8},
+)
+
+
+# ------------------------------------------------------------------ the load test: client process
+@dataclass(frozen=True, slots=True)
+class VerbFigures:
+    requests: int
+    median_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    rate: float
+    duration_s: float
+    nodes: int
+    connections: int
+    pairs_sent: int
+    pairs_done: int
+    achieved_pairs_per_s: float
+    errors: int
+    verbs: dict[str, VerbFigures]
+    start_lag_p99_ms: float
+    start_lag_max_ms: float
+    error_samples: list[str] = field(default_factory=list)
+
+    def ok(self, *, p99_ms: float = 50.0) -> bool:
+        return self.errors == 0 and all(v.p99_ms < p99_ms for v in self.verbs.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _figures(samples: list[float]) -> VerbFigures:
+    if not samples:
+        return VerbFigures(0, 0.0, 0.0, 0.0)
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, max(0, int(len(ordered) * 0.99 + 0.5) - 1))]
+    return VerbFigures(len(ordered), round(statistics.median(ordered) * 1000, 3), round(p99 * 1000, 3),
+                       round(ordered[-1] * 1000, 3))
+
+
+async def _call(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], path: bytes,
+                body: bytes) -> tuple[int, bytes]:
+    reader, writer = conn
+    writer.write(b"POST %s HTTP/1.1\r\nHost: extender\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    return status, await reader.readexactly(length)
+
+
+async def _drive(host: str, port: int, prefix: str, names: list[str], rate: float, duration_s: float,
+                 connections: int) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    pool: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+    for _ in range(connections):
+        pool.put_nowait(await asyncio.open_connection(host, port))
+    pods = [sample_pod(f"load-{i}", namespace="load", **spec) for i, spec in enumerate(LOAD_PODS)]
+    filter_bodies = [json.dumps({"Pod": pod, "Nodes": None, "NodeNames": names}, separators=(",", ":")).encode()
+                     for pod in pods]
+    filter_path, prioritize_path = f"{prefix}/filter".encode(), f"{prefix}/prioritize".encode()
+    latency: dict[str, list[float]] = {"filter": [], "prioritize": []}
+    lags: list[float] = []
+    errors: list[str] = []
+    done = 0
+
+    async def pair(i: int, at: float) -> None:
+        nonlocal done
+        conn = await pool.get()
+        lags.append(loop.time() - at)
+        healthy = False
+        try:
+            k = i % len(pods)
+            start = loop.time()
+            status, answer = await _call(conn, filter_path, filter_bodies[k])
+            latency["filter"].append(loop.time() - start)
+            result = json.loads(answer)
+            if status != 200 or result.get("Error"):
+                errors.append(f"filter: HTTP {status} {answer[:200]!r}")
+                return
+            passed = result["NodeNames"]
+            body = json.dumps({"Pod": pods[k], "Nodes": None, "NodeNames": passed},
+                              separators=(",", ":")).encode()
+            start = loop.time()
+            status, answer = await _call(conn, prioritize_path, body)
+            latency["prioritize"].append(loop.time() - start)
+            scores = json.loads(answer)
+            if status != 200 or not isinstance(scores, list) or len(scores) != len(passed):
+                errors.append(f"prioritize: HTTP {status} {answer[:200]!r}")
+                return
+            done += 1
+            healthy = True
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if healthy:
+                pool.put_nowait(conn)
+            else:  # a connection in an unknown state is replaced
+                conn[1].close()
+                try:
+                    pool.put_nowait(await asyncio.open_connection(host, port))
+                except OSError as exc:
+                    errors.append(f"reconnect: {exc}")
+
+    total = int(rate * duration_s)
+    t0 = loop.time() + 0.2
+    tasks = []
+    for i in range(total):
+        at = t0 + i / rate
+        delay = at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(pair(i, at)))
+    await asyncio.gather(*tasks)
+    elapsed = loop.time() - t0
+    while not pool.empty():
+        pool.get_nowait()[1].close()
+    return {"latency": latency, "lags": lags, "errors": errors, "done": done, "sent": total, "elapsed": elapsed}
+
+
+def _client(host: str, port: int, prefix: str, names: list[str], rate: float, duration_s: float,
+            connections: int, out: Any) -> None:
+    """The load generator's process: runs the open loop and sends its raw samples back over `out`."""
+    out.send(asyncio.run(_drive(host, port, prefix, names, rate, duration_s, connections)))
+    out.close()
+
+
+def run_load(*, rate: float = 200.0, duration_s: float = 60.0, nodes: int = 1000, connections: int = 32,
+             seed: int = 0, node_policy: str = "binpack") -> LoadResult:
+    """Serve an extender over a simulated `nodes`-node world on loopback and drive `rate` filter+prioritize
+    pairs per second at it for `duration_s` from a separate process. Prints nothing; returns the figures."""
+    if rate <= 0 or duration_s <= 0 or nodes < 1 or connections < 1:
+        raise GpuplaneError("rate, duration, nodes and connections must be positive")
+    catalog, world = load_world(nodes, seed=seed)
+    names = [info.name for info in world.list_nodes()]
+    core = Extender(world, catalog, build_profile(node_policy, None), seed=seed)
+    gc.collect()
+    gc.freeze()
+    server = ExtenderServer(core, port=0).start()
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    host, port = server.address
+    child = context.Process(target=_client, args=(host, port, server.prefix, names, rate, duration_s,
+                                                  connections, send), daemon=True)
+    try:
+        child.start()
+        send.close()
+        raw = receive.recv()
+        child.join(timeout=30)
+    finally:
+        if child.is_alive():
+            child.terminate()
+        server.close()
+        core.close()
+        gc.unfreeze()
+    verbs = {verb: _figures(samples) for verb, samples in raw["latency"].items()}
+    lags = _figures(raw["lags"])
+    return LoadResult(rate=rate, duration_s=duration_s, nodes=nodes, connections=connections,
+                      pairs_sent=raw["sent"], pairs_done=raw["done"],
+                      achieved_pairs_per_s=round(raw["done"] / raw["elapsed"], 2), errors=len(raw["errors"]),
+                      verbs=verbs, start_lag_p99_ms=lags.p99_ms, start_lag_max_ms=lags.max_ms,
+                      error_samples=raw["errors"][:5])
+
+
+def format_load(result: LoadResult) -> str:
+    lines = [f"extender load: {result.nodes} nodes, {result.rate:g} filter+prioritize pairs/s for "
+             f"{result.duration_s:g} s over {result.connections} keep-alive connections",
+             f"  pairs: {result.pairs_done}/{result.pairs_sent} done, {result.achieved_pairs_per_s:g}/s achieved, "
+             f"{result.errors} errors"]
+    for verb, figures in result.verbs.items():
+        lines.append(f"  {verb:<10} n={figures.requests:<6} median {figures.median_ms:7.2f} ms   "
+                     f"p99 {figures.p99_ms:7.2f} ms   max {figures.max_ms:7.2f} ms")
+    lines.append(f"  client start lag: p99 {result.start_lag_p99_ms:.2f} ms, max {result.start_lag_max_ms:.2f} ms")
+    lines.extend(f"  error: {sample}" for sample in result.error_samples)
+    return "\n".join(lines)

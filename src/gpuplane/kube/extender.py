@@ -1,0 +1,913 @@
+"""kube-scheduler's HTTP extender, backed by gpuplane's scheduler (`gpuplane extender`).
+
+kube-scheduler keeps its own queue, filters and scoring and calls out to us (`POST <urlPrefix>/<verb>`,
+wire types in `../shared/reference/protocols.md` §1): `filter` drops nodes whose cards cannot hold the pod,
+`prioritize` scores the survivors by the configured gpuplane policy, `bind` chooses the cards on the node
+kube-scheduler picked and binds through the cluster port (which records the card assignment on the pod
+before the Binding), `preempt` vetoes or trims kube-scheduler's victims by our card-level view.
+
+Answers, per verb:
+
+- filter: always HTTP 200 with an `ExtenderFilterResult`; a body we cannot read (not JSON, wrong shape, a
+  pod `gpuplane.kube.objects` rejects) comes back as `Error` set, which kube-scheduler reports as a filter
+  error for that pod. A request that names nodes (`NodeNames`, nodeCacheCapable) is answered with names and
+  `Nodes` null; one that sends `Nodes` objects is answered with the passing objects and `NodeNames` null;
+  every rejected node is listed under `FailedNodes` (preemption may help) or `FailedAndUnresolvableNodes`
+  (it cannot: wrong model, a topology rule, a node not in our cache) with the framework's reason.
+- prioritize: HTTP 200 with a bare `HostPriorityList`, one entry per node sent, in the order sent. The
+  framework's weighted score of each feasible node is mapped onto kube-scheduler's 0…10 by min-max over the
+  feasible nodes of the request, `round(10 × (s − min) / (max − min))` (all 10 when they tie): the best node
+  gets 10, the worst 0, so the policy's preference survives however narrow its spread (an absolute mapping
+  would round FGD's small differences to one value). Infeasible and unknown nodes get 0. A body we cannot
+  read: HTTP 400 with `{"Error": …}` (the type has no error field; kube-scheduler logs and ignores it).
+- bind: HTTP 200 with `ExtenderBindingResult`; any failure (unknown pod or node, no longer fits, the port
+  refused) is in `Error`, which fails the bind; kube-scheduler then retries the pod.
+- preempt: HTTP 200 with `NodeNameToMetaVictims` (UIDs only). A candidate node is kept only if removing its
+  victims from our view lets the pod fit there; then the victims we hold on that node are reprieved, most
+  valuable first, while it still fits (kube-scheduler sees GPUs as a plain count and may ask for more than
+  the cards need). Victims outside our view (no GPU, unknown) are passed through; a node with a victim UID we
+  cannot name is passed through as sent (we cannot judge it). `NumPDBViolations` is passed through (an upper
+  bound once trimmed). A body we cannot read: HTTP 400 with `{"Error": …}` (this candidate set fails).
+
+Anything else: 404 (unknown path), 405 (not POST), 411 (no Content-Length), 413 (body over the limit), 400 (a
+bad Content-Length). A bug inside a verb is logged and answered 500 with `{"Error": …}`, never a traceback.
+Go decodes JSON keys case-insensitively (the last matching key wins); we read them the same way and always
+write the exact Go names.
+
+Concurrency: the scheduler's cache is guarded by one lock (`state_lock`), taken by every verb and by the
+port's watch events (delivered through a wrapper that takes it). Binds run under a second lock
+(`port_lock`, serialising calls into the port) *outside* the state lock: the cards are decided and assumed
+in the cache under the state lock, so filters never wait for an API round trip, and a failed bind gives
+the reservation back. Lock order is port, then state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gpuplane.kube.objects import MANAGED_RESOURCES, RES_GPU, SCHEDULER_NAME, ObjectError, object_key, pod_request
+from gpuplane.model import Assignment, Catalog, NodeSpec, PodRequest, Taint
+from gpuplane.port import ClusterEvent, ClusterPort, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
+from gpuplane.scheduler import CycleState, Decision, Profile, Scheduler, SchedulingRules
+
+log = logging.getLogger(__name__)
+
+MAX_EXTENDER_PRIORITY = 10
+"""kube-scheduler's `MaxExtenderPriority`: prioritize scores run 0…10."""
+VERBS = ("filter", "prioritize", "bind", "preempt")
+DEFAULT_PREFIX = "/gpuplane"
+DEFAULT_PORT = 8888
+MAX_BODY = 256 << 20
+"""Bytes a request body may have: a 5,000-node `NodeList` (nodeCacheCapable false) is about 50 MiB."""
+UNKNOWN_NODE = "node is not in gpuplane's cache (unknown to the cluster port, or not synced yet)"
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+# ------------------------------------------------------------------ wire types
+class WireError(ValueError):
+    """A request body that is not the message it should be; names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+_MISSING: Any = object()
+
+
+def _get(obj: Mapping[str, Any], name: str) -> Any:
+    """A struct field as Go's encoding/json finds it: any key equal to `name` ignoring case; the last wins."""
+    folded = name.casefold()
+    value = _MISSING
+    for key, candidate in obj.items():
+        if key == name or key.casefold() == folded:
+            value = candidate
+    return value
+
+
+def _optional_object(value: Any, field: str) -> dict[str, Any] | None:
+    if value is _MISSING or value is None:
+        return None
+    if not isinstance(value, dict):
+        raise WireError(field, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    found = _optional_object(value, field)
+    if found is None:
+        raise WireError(field, "missing")
+    return found
+
+
+def _string(value: Any, field: str, *, optional: bool = True) -> str:
+    """Go leaves a missing or null string empty."""
+    if value is _MISSING or value is None:
+        if optional:
+            return ""
+        raise WireError(field, "missing")
+    if not isinstance(value, str):
+        raise WireError(field, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def _int64(value: Any, field: str) -> int:
+    if value is _MISSING or value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(field, f"must be an integer, got {type(value).__name__}")
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise WireError(field, "out of the int64 range")
+    return value
+
+
+def _strings(value: Any, field: str) -> list[str] | None:
+    if value is _MISSING or value is None:
+        return None
+    if not isinstance(value, list):
+        raise WireError(field, f"must be a list of strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise WireError(f"{field}[{i}]", f"must be a string, got {type(item).__name__}")
+    return value
+
+
+def _node_items(nodes: Mapping[str, Any], field: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """A `v1.NodeList`'s items and their names."""
+    raw = _get(nodes, "items")
+    if raw is _MISSING or raw is None:
+        return [], []
+    if not isinstance(raw, list):
+        raise WireError(f"{field}.items", f"must be a list, got {type(raw).__name__}")
+    names: list[str] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise WireError(f"{field}.items[{i}]", "must be a Node object")
+        meta = item.get("metadata")
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(name, str) or not name:
+            raise WireError(f"{field}.items[{i}].metadata.name", "missing")
+        names.append(name)
+    return raw, names
+
+
+def dumps(doc: Any) -> bytes:
+    """Compact JSON, as Go's encoding/json writes it (no spaces)."""
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderArgs:
+    """The filter and prioritize request: the pod and either node names (nodeCacheCapable) or a NodeList."""
+
+    pod: dict[str, Any]
+    nodes: dict[str, Any] | None = None
+    node_names: list[str] | None = None
+
+    @staticmethod
+    def decode(doc: Any) -> ExtenderArgs:
+        top = _object(doc, "ExtenderArgs")
+        pod = _object(_get(top, "Pod"), "Pod")
+        nodes = _optional_object(_get(top, "Nodes"), "Nodes")
+        if nodes is not None:
+            _node_items(nodes, "Nodes")
+        return ExtenderArgs(pod, nodes, _strings(_get(top, "NodeNames"), "NodeNames"))
+
+    def names(self) -> list[str]:
+        """The nodes asked about, in the order sent (from `Nodes` when objects were sent)."""
+        if self.nodes is not None:
+            return _node_items(self.nodes, "Nodes")[1]
+        return self.node_names or []
+
+    def encode(self) -> dict[str, Any]:
+        return {"Pod": self.pod, "Nodes": self.nodes, "NodeNames": self.node_names}
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderFilterResult:
+    nodes: dict[str, Any] | None = None
+    node_names: list[str] | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        return {"Nodes": self.nodes, "NodeNames": self.node_names, "FailedNodes": self.failed,
+                "FailedAndUnresolvableNodes": self.unresolvable, "Error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class HostPriority:
+    host: str
+    score: int
+
+    def encode(self) -> dict[str, Any]:
+        return {"Host": self.host, "Score": self.score}
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderBindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+    @property
+    def pod_key(self) -> str:
+        return f"{self.pod_namespace}/{self.pod_name}" if self.pod_namespace else self.pod_name
+
+    @staticmethod
+    def decode(doc: Any) -> ExtenderBindingArgs:
+        top = _object(doc, "ExtenderBindingArgs")
+        args = ExtenderBindingArgs(_string(_get(top, "PodName"), "PodName"),
+                                   _string(_get(top, "PodNamespace"), "PodNamespace"),
+                                   _string(_get(top, "PodUID"), "PodUID"), _string(_get(top, "Node"), "Node"))
+        if not args.pod_name:
+            raise WireError("PodName", "missing")
+        if not args.node:
+            raise WireError("Node", "missing")
+        return args
+
+    def encode(self) -> dict[str, Any]:
+        return {"PodName": self.pod_name, "PodNamespace": self.pod_namespace, "PodUID": self.pod_uid,
+                "Node": self.node}
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderBindingResult:
+    error: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        return {"Error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class VictimPod:
+    uid: str
+    key: str | None = None
+    """`namespace/name`, when kube-scheduler sent the whole pod (not cache-capable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Victims:
+    pods: tuple[VictimPod, ...]
+    num_pdb_violations: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        """As `MetaVictims`: UIDs only."""
+        return {"Pods": [{"UID": pod.uid} for pod in self.pods], "NumPDBViolations": self.num_pdb_violations}
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderPreemptionArgs:
+    """`NodeNameToVictims` (whole pods) when not cache-capable, else `NodeNameToMetaVictims` (UIDs); the
+    whole pods win when both are sent."""
+
+    pod: dict[str, Any]
+    victims: dict[str, Victims]
+
+    @staticmethod
+    def decode(doc: Any) -> ExtenderPreemptionArgs:
+        top = _object(doc, "ExtenderPreemptionArgs")
+        pod = _object(_get(top, "Pod"), "Pod")
+        full = _optional_object(_get(top, "NodeNameToVictims"), "NodeNameToVictims")
+        if full is not None:
+            return ExtenderPreemptionArgs(pod, _victims(full, "NodeNameToVictims", whole=True))
+        meta = _optional_object(_get(top, "NodeNameToMetaVictims"), "NodeNameToMetaVictims")
+        return ExtenderPreemptionArgs(pod, _victims(meta or {}, "NodeNameToMetaVictims", whole=False))
+
+    def encode(self) -> dict[str, Any]:
+        return {"Pod": self.pod, "NodeNameToVictims": None,
+                "NodeNameToMetaVictims": {node: v.encode() for node, v in self.victims.items()}}
+
+
+def _victims(doc: Mapping[str, Any], field: str, *, whole: bool) -> dict[str, Victims]:
+    result: dict[str, Victims] = {}
+    for node, raw in doc.items():
+        where = f"{field}[{node}]"
+        entry = _optional_object(raw, where)
+        if entry is None:
+            result[node] = Victims(())
+            continue
+        pods_raw = _get(entry, "Pods")
+        if pods_raw is _MISSING or pods_raw is None:
+            pods_raw = []
+        if not isinstance(pods_raw, list):
+            raise WireError(f"{where}.Pods", f"must be a list, got {type(pods_raw).__name__}")
+        pods: list[VictimPod] = []
+        for i, item in enumerate(pods_raw):
+            obj = _object(item, f"{where}.Pods[{i}]")
+            if whole:
+                meta = obj.get("metadata")
+                uid = meta.get("uid") if isinstance(meta, dict) else None
+                pods.append(VictimPod(_string(uid, f"{where}.Pods[{i}].metadata.uid", optional=False),
+                                      object_key(obj) or None))
+            else:
+                pods.append(VictimPod(_string(_get(obj, "UID"), f"{where}.Pods[{i}].UID", optional=False)))
+        result[node] = Victims(tuple(pods), _int64(_get(entry, "NumPDBViolations"), f"{where}.NumPDBViolations"))
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class ExtenderPreemptionResult:
+    victims: dict[str, Victims]
+
+    def encode(self) -> dict[str, Any]:
+        return {"NodeNameToMetaVictims": {node: v.encode() for node, v in self.victims.items()}}
+
+
+# ------------------------------------------------------------------ the port, serialised
+class _LockedWatch:
+    """The cluster port with its watch events delivered under the extender's state lock."""
+
+    def __init__(self, port: ClusterPort, lock: threading.RLock) -> None:
+        self._port = port
+        self._lock = lock
+
+    def list_nodes(self) -> Sequence[NodeInfo]:
+        return self._port.list_nodes()
+
+    def list_pods(self) -> Sequence[PodInfo]:
+        return self._port.list_pods()
+
+    def watch(self, handler: Handler) -> Unsubscribe:
+        lock = self._lock
+
+        def locked(event: ClusterEvent) -> None:
+            with lock:
+                handler(event)
+
+        return self._port.watch(locked)
+
+    def create_pod(self, request: PodRequest) -> Status:
+        return self._port.create_pod(request)
+
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        return self._port.bind(pod, assignment, node_version=node_version)
+
+    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
+        return self._port.evict(pod, grace_s=grace_s, reason=reason)
+
+    def delete_pod(self, pod: str) -> Status:
+        return self._port.delete_pod(pod)
+
+    def fail_pod(self, pod: str, reason: str) -> Status:
+        return self._port.fail_pod(pod, reason)
+
+    def scale(self, workload: str, replicas: int) -> Status:
+        return self._port.scale(workload, replicas)
+
+    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
+        return self._port.patch_pod(pod, annotations=annotations)
+
+    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
+                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
+                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
+        return self._port.patch_node(node, labels=labels, taints=taints, annotations=annotations,
+                                     unschedulable=unschedulable, pool=pool)
+
+
+class _Lru:
+    """A small thread-safe LRU map."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._data: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self._size:
+                self._data.popitem(last=False)
+
+
+# ------------------------------------------------------------------ the verbs
+BoolArray = npt.NDArray[np.bool_]
+
+
+def _only(size: int, node: int) -> BoolArray:
+    mask = np.zeros(size, np.bool_)
+    mask[node] = True
+    return mask
+
+
+def extender_scores(scores: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    """Framework scores of the feasible nodes → 0…10 by min-max: best 10, worst 0, all 10 on a tie."""
+    if not len(scores):
+        return np.zeros(0, np.int64)
+    low, high = float(scores.min()), float(scores.max())
+    if high - low < 1e-9:
+        return np.full(len(scores), MAX_EXTENDER_PRIORITY, np.int64)
+    scaled = MAX_EXTENDER_PRIORITY * (scores - low) / (high - low)
+    return np.clip(np.floor(scaled + 0.5), 0, MAX_EXTENDER_PRIORITY).astype(np.int64)
+
+
+class Extender:
+    """The four verbs over a `Scheduler` on `port`, transport-free (the HTTP server is `ExtenderServer`).
+
+    `uid_names` maps a pod UID to `namespace/name` for UID-only preemption victims the extender has not seen
+    (a port that knows UIDs can supply it); UIDs seen in filter, prioritize and bind are remembered.
+    `subscribe_lock` is held while the scheduler lists the port and subscribes to it, so no event falls in
+    between (`KubeCluster.lock`; its event delivery holds it, then takes the state lock: the same order).
+    """
+
+    def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int = 0,
+                 rules: SchedulingRules | None = None, now: Callable[[], float] | None = None,
+                 uid_names: Callable[[str], str | None] | None = None, cache_size: int = 4096,
+                 subscribe_lock: AbstractContextManager[Any] | None = None) -> None:
+        self.catalog = catalog
+        self.port = port
+        self.state_lock = threading.RLock()
+        self.port_lock = threading.Lock()
+        self._uid_names = uid_names
+        self._requests = _Lru(cache_size)
+        """Pod UID → (resourceVersion, PodRequest): filter parses, prioritize and bind reuse."""
+        self._names = _Lru(16 * cache_size)
+        """Pod UID → `namespace/name`, for preemption victims named by UID only."""
+        with self.port_lock, subscribe_lock or nullcontext(), self.state_lock:
+            self.scheduler = Scheduler(_LockedWatch(port, self.state_lock), catalog, profile, seed=seed,
+                                       rules=rules, now=now, queue_pods=False)
+
+    def close(self) -> None:
+        self.scheduler.close()  # not under the state lock: a port delivering an event holds its own, then ours
+
+    # -------------------------------------------------------------- pods
+    def request(self, pod: Mapping[str, Any]) -> PodRequest:
+        """The pod's request, parsed once per UID and resourceVersion. Raises `ObjectError`."""
+        meta = pod.get("metadata")
+        uid = meta.get("uid") if isinstance(meta, Mapping) else None
+        version = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+        if isinstance(uid, str) and uid:
+            cached = self._requests.get(uid)
+            if cached is not None and cached[0] == version:
+                request: PodRequest = cached[1]
+                return request
+        try:
+            request = pod_request(pod, self.catalog)
+        except ObjectError:
+            raise
+        except (TypeError, AttributeError, ValueError, ArithmeticError) as exc:
+            # An ill-typed field objects.py does not check (the API server's validation keeps these out).
+            raise ObjectError(object_key(pod) or "pod", "spec", f"unreadable ({type(exc).__name__}: {exc})") from None
+        if isinstance(uid, str) and uid:
+            self._requests.put(uid, (version, request))
+            self._names.put(uid, request.name)
+        return request
+
+    def _indexes(self, names: Sequence[str]) -> npt.NDArray[np.int64]:
+        index = self.scheduler.state.node_index
+        return np.fromiter((index.get(name, -1) for name in names), np.int64, len(names))
+
+    # -------------------------------------------------------------- filter
+    def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        try:
+            pod = self.request(args.pod)
+        except ObjectError as exc:
+            return ExtenderFilterResult(error=str(exc))
+        names = args.names()
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        with self.state_lock:
+            state = self.scheduler.state
+            rows = self._indexes(names)
+            known = rows >= 0
+            mask = np.zeros(state.size, np.bool_)
+            mask[rows[known]] = True
+            alive, diagnosis = self.scheduler.framework.find_nodes(CycleState(), pod, state, within=mask)
+            assert diagnosis is not None
+            safe = np.where(known, rows, 0)
+            passed = known & alive[safe]
+            reason_of = diagnosis.reason_of[safe]
+            reasons = diagnosis.reasons
+            for i in np.flatnonzero(~passed).tolist():
+                name = names[i]
+                if not known[i]:
+                    unresolvable[name] = UNKNOWN_NODE
+                    continue
+                idx = int(reason_of[i])
+                target = unresolvable if idx in diagnosis.unresolvable else failed
+                target[name] = reasons[idx] if idx >= 0 else "rejected"
+        keep = np.flatnonzero(passed).tolist()
+        if args.nodes is not None:
+            items = _node_items(args.nodes, "Nodes")[0]
+            rest = {k: v for k, v in args.nodes.items() if k.casefold() != "items"}
+            return ExtenderFilterResult({**rest, "items": [items[i] for i in keep]}, None, failed, unresolvable)
+        return ExtenderFilterResult(None, [names[i] for i in keep], failed, unresolvable)
+
+    # -------------------------------------------------------------- prioritize
+    def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
+        """Raises `ObjectError` for a pod we cannot read."""
+        pod = self.request(args.pod)
+        names = args.names()
+        with self.state_lock:
+            state = self.scheduler.state
+            framework = self.scheduler.framework
+            rows = self._indexes(names)
+            known = rows >= 0
+            mask = np.zeros(state.size, np.bool_)
+            mask[rows[known]] = True
+            cycle = CycleState()
+            alive, _ = framework.find_nodes(cycle, pod, state, diagnose=False, within=mask)
+            feasible = np.flatnonzero(alive)
+            scores = framework.score_nodes(cycle, pod, state, feasible) if len(feasible) else np.zeros(0)
+            size = state.size
+        by_node = np.zeros(max(size, 1), np.int64)
+        by_node[feasible] = extender_scores(scores)
+        result = np.where(known, by_node[np.where(known, rows, 0)], 0).tolist()
+        return [HostPriority(name, score) for name, score in zip(names, result, strict=True)]
+
+    # -------------------------------------------------------------- bind
+    def _bind_request(self, args: ExtenderBindingArgs) -> PodRequest | None:
+        cached = self._requests.get(args.pod_uid) if args.pod_uid else None
+        if cached is not None and cached[1].name == args.pod_key:
+            request: PodRequest = cached[1]
+            return request
+        # Not seen since a restart: the port knows every pending pod.
+        with self.port_lock:
+            pods = self.port.list_pods()
+        for info in pods:
+            if info.name == args.pod_key and info.phase is PodPhase.PENDING:
+                return info.request
+        return None
+
+    def placement(self, pod: PodRequest, node_name: str) -> Decision:
+        """The cards `pod` would get on `node_name` now (what `bind` binds), or why it cannot go there."""
+        with self.state_lock:
+            scheduler = self.scheduler
+            state = scheduler.state
+            node = state.node_index.get(node_name)
+            if node is None:
+                return Decision(Status.unschedulable(f"node {node_name}: {UNKNOWN_NODE}", resolvable=False))
+            held = state.bindings.get(pod.name)
+            if held is not None:
+                return Decision(Status.error(f"pod {pod.name} is already placed on {held.assignment.node}"))
+            decision = scheduler.framework.schedule(pod, state, within=_only(state.size, node))
+            if decision.assignment is None:
+                reason = decision.diagnosis.node_reason(node) if decision.diagnosis is not None else None
+                return Decision(Status.unschedulable(f"pod {pod.name} no longer fits on node {node_name}: "
+                                                     f"{reason or decision.status.message}"))
+            return decision
+
+    def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        key = args.pod_key
+        if args.pod_uid:
+            self._names.put(args.pod_uid, key)
+        pod = self._bind_request(args)
+        if pod is None:
+            return ExtenderBindingResult(f"pod {key} is not pending in gpuplane's view of the cluster")
+        with self.state_lock:
+            decision = self.placement(pod, args.node)
+            assignment = decision.assignment
+            if assignment is None:
+                return ExtenderBindingResult(decision.status.message)
+            self.scheduler.assume(pod, assignment)
+        status = Status.error("bind raised")
+        try:
+            with self.port_lock:
+                status = self.port.bind(key, assignment)
+        finally:
+            with self.state_lock:
+                self.scheduler.settle(key, status)
+        return ExtenderBindingResult("" if status.ok else f"bind {key} to {args.node}: {status.message}")
+
+    # -------------------------------------------------------------- preempt
+    def _victim_key(self, victim: VictimPod) -> str | None:
+        if victim.key is not None:
+            return victim.key
+        name: str | None = self._names.get(victim.uid)
+        if name is None and self._uid_names is not None:
+            name = self._uid_names(victim.uid)
+        return name
+
+    def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
+        """Raises `ObjectError` for a preemptor we cannot read."""
+        pod = self.request(args.pod)
+        answer: dict[str, Victims] = {}
+        for victims in args.victims.values():
+            for victim in victims.pods:
+                if victim.key is not None:
+                    self._names.put(victim.uid, victim.key)
+        with self.state_lock:
+            for node_name, victims in args.victims.items():
+                kept = self._judge(pod, node_name, victims)
+                if kept is not None:
+                    answer[node_name] = kept
+        return ExtenderPreemptionResult(answer)
+
+    def _judge(self, pod: PodRequest, node_name: str, victims: Victims) -> Victims | None:
+        """The victims on `node_name` the pod needs gone (None: even all of them are not enough)."""
+        state = self.scheduler.state
+        node = state.node_index.get(node_name)
+        if node is None:
+            return None
+        keys = [self._victim_key(v) for v in victims.pods]
+        if any(key is None for key in keys):
+            return victims
+        ours = {key: victim for key, victim in zip(keys, victims.pods, strict=True)
+                if key is not None and key in state.bindings and state.bindings[key].node == node}
+        removed = [state.release(key) for key in sorted(ours)]
+        needed: list[str] = []
+        try:
+            if not self._fits(pod, node):
+                return None
+            # Give back the most valuable first (higher priority, then the smaller), while the pod still fits.
+            for binding in sorted(removed, key=lambda b: (-b.request.priority, b.assignment.gpu_milli,
+                                                          b.request.name)):
+                state.place(binding.request, binding.assignment, check=False)
+                if not self._fits(pod, node):
+                    state.release(binding.request.name)
+                    needed.append(binding.request.name)
+        finally:
+            for binding in removed:
+                if binding.request.name not in state.bindings:
+                    state.place(binding.request, binding.assignment, check=False)
+        pods = tuple(victim for key, victim in zip(keys, victims.pods, strict=True)
+                     if key not in ours or key in needed)
+        return Victims(pods, victims.num_pdb_violations)
+
+    def _fits(self, pod: PodRequest, node: int) -> bool:
+        state = self.scheduler.state
+        decision = self.scheduler.framework.schedule(pod, state, within=_only(state.size, node))
+        return decision.assignment is not None
+
+
+# ------------------------------------------------------------------ HTTP
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+    extender: Extender
+    routes: dict[str, str]
+    prefix: str
+    max_body: int
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    timeout = 300
+    """Idle keep-alive connections close after this long (longer than Go's 90 s idle timeout: the client
+    closes first, so a POST never meets a connection we are closing)."""
+    server: _Server
+    server_version = "gpuplane-extender"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _answer(self, code: int, body: bytes, *, close: bool = False,
+                content_type: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's answer to a request it cannot parse, in JSON, always with a status line."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        self._error(code, message or HTTPStatus(code).phrase, close=True)
+
+    def _error(self, code: int, message: str, *, close: bool = False) -> None:
+        self._answer(code, dumps({"Error": message}), close=close)
+
+    def _route(self) -> str | None:
+        return self.server.routes.get(self.path.split("?", 1)[0])
+
+    def _body(self) -> bytes | None:
+        """The request body; None after answering a request whose body cannot be read (and closing)."""
+        if self.headers.get("Transfer-Encoding"):
+            self._error(411, "send the body with a Content-Length", close=True)
+            return None
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            if self.command == "POST":
+                self._error(411, "Content-Length required", close=True)
+                return None
+            return b""
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError(raw)
+        except ValueError:
+            self._error(400, f"bad Content-Length {raw!r}", close=True)
+            return None
+        if length > self.server.max_body:
+            self._error(413, f"body of {length} bytes is over the {self.server.max_body} limit", close=True)
+            return None
+        return self.rfile.read(length)
+
+    def do_POST(self) -> None:
+        body = self._body()
+        if body is None:
+            return
+        verb = self._route()
+        if verb is None:
+            self._error(404, f"nothing at {self.path}; POST {self.server.prefix}/<{'|'.join(VERBS)}>")
+            return
+        if verb == "healthz":
+            self._not_allowed()
+            return
+        code, answer = handle(self.server.extender, verb, body)
+        self._answer(code, answer)
+
+    def do_GET(self) -> None:
+        if self._body() is None:
+            return
+        verb = self._route()
+        if verb == "healthz":
+            self._answer(200, b"ok", content_type="text/plain")
+        elif verb is None:
+            self._error(404, f"nothing at {self.path}")
+        else:
+            self._not_allowed()
+
+    def _refuse_method(self) -> None:
+        if self._body() is not None:
+            self._not_allowed()
+
+    def _not_allowed(self) -> None:
+        verb = self._route()
+        if verb is None:
+            self._error(404, f"nothing at {self.path}")
+            return
+        allowed = "GET" if verb == "healthz" else "POST"
+        body = b"" if self.command == "HEAD" else dumps({"Error": f"{self.command} not allowed; {allowed}"})
+        self.send_response(405)
+        self.send_header("Allow", allowed)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _refuse_method
+
+
+def _reject(verb: str, message: str) -> tuple[int, bytes]:
+    """A request we cannot read, answered the way kube-scheduler understands for that verb."""
+    if verb == "filter":
+        return 200, dumps(ExtenderFilterResult(error=message).encode())
+    if verb == "bind":
+        return 200, dumps(ExtenderBindingResult(message).encode())
+    return 400, dumps({"Error": message})
+
+
+def handle(extender: Extender, verb: str, body: bytes) -> tuple[int, bytes]:
+    """One verb: (HTTP status, JSON body). Never raises."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return _reject(verb, f"body is not JSON: {exc}")
+    try:
+        if verb == "filter":
+            return 200, dumps(extender.filter(ExtenderArgs.decode(doc)).encode())
+        if verb == "prioritize":
+            priorities = extender.prioritize(ExtenderArgs.decode(doc))
+            return 200, dumps([p.encode() for p in priorities])
+        if verb == "bind":
+            return 200, dumps(extender.bind(ExtenderBindingArgs.decode(doc)).encode())
+        return 200, dumps(extender.preempt(ExtenderPreemptionArgs.decode(doc)).encode())
+    except (WireError, ObjectError) as exc:
+        return _reject(verb, str(exc))
+    except RecursionError:
+        return _reject(verb, "body nested too deeply")
+    except Exception as exc:  # a bug: log it, answer without a traceback, keep serving
+        log.exception("extender %s failed", verb)
+        return 500, dumps({"Error": f"internal error in {verb}: {type(exc).__name__}"})
+
+
+def normalise_prefix(prefix: str) -> str:
+    """`gpuplane/` → `/gpuplane`; `/` or empty → `` (verbs at the root)."""
+    stripped = prefix.strip().strip("/")
+    return f"/{stripped}" if stripped else ""
+
+
+class ExtenderServer:
+    """The extender over HTTP/1.1 with keep-alive, one thread per connection. `port=0` picks a free port."""
+
+    def __init__(self, extender: Extender, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 prefix: str = DEFAULT_PREFIX, max_body: int = MAX_BODY) -> None:
+        self.prefix = normalise_prefix(prefix)
+        self.extender = extender
+        self._server = _Server((host, port), _Handler)
+        self._server.extender = extender
+        self._server.routes = {f"{self.prefix}/{verb}": verb for verb in (*VERBS, "healthz")}
+        self._server.routes["/healthz"] = "healthz"
+        self._server.max_body = max_body
+        self._server.prefix = self.prefix
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{host}:{port}{self.prefix}"
+
+    def start(self) -> ExtenderServer:
+        """Serve on a background thread."""
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="gpuplane-extender",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> ExtenderServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ kube-scheduler configuration
+def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT_PREFIX}", *,
+                     scheduler_name: str = SCHEDULER_NAME, http_timeout: str = "5s", weight: int = 1,
+                     lease_namespace: str = "gpuplane-system") -> dict[str, Any]:
+    """A `KubeSchedulerConfiguration` running a second scheduler (`schedulerName`) that calls this extender.
+
+    `weight` multiplies our 0…10 scores (×10 on kube-scheduler's 0…100 scale) and must be > 0. `httpTimeout`
+    is per call: a filter answers in milliseconds, a bind makes two API calls (the assignment annotation,
+    then the Binding); 5 s is kube-scheduler's default. `managedResources` makes kube-scheduler call us only
+    for pods that ask for gpuplane's resources; all but `gpuplane.io/gpu` (which the device plugin
+    advertises) are `ignoredByScheduler`, as no node advertises them. Its own Lease, so it never contends
+    with the default scheduler (in `lease_namespace`, where the scheduler's RBAC allows Leases).
+    """
+    if weight <= 0:
+        raise ValueError(f"weight must be > 0, got {weight}")
+    return {
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "kind": "KubeSchedulerConfiguration",
+        "leaderElection": {"leaderElect": True, "resourceLock": "leases", "resourceName": scheduler_name,
+                           "resourceNamespace": lease_namespace},
+        "profiles": [{"schedulerName": scheduler_name}],
+        "extenders": [{
+            "urlPrefix": url_prefix,
+            "filterVerb": "filter",
+            "prioritizeVerb": "prioritize",
+            "bindVerb": "bind",
+            "preemptVerb": "preempt",
+            "weight": weight,
+            "enableHTTPS": False,
+            "httpTimeout": http_timeout,
+            "nodeCacheCapable": True,
+            "ignorable": False,
+            "managedResources": [{"name": name, "ignoredByScheduler": name != RES_GPU}
+                                 for name in MANAGED_RESOURCES],
+        }],
+    }
+
+
+def describe_nodes(specs: Sequence[NodeSpec]) -> str:
+    """`3 nodes, 24 GPUs (A100-40GB×16, T4×8)`: what a started extender serves, for its log line."""
+    models: dict[str, int] = {}
+    for spec in specs:
+        if spec.gpu_model is not None and spec.gpus:
+            models[spec.gpu_model] = models.get(spec.gpu_model, 0) + spec.gpus
+    gpus = sum(models.values())
+    parts = ", ".join(f"{m}×{c}" for m, c in sorted(models.items()))
+    return f"{len(specs)} nodes, {gpus} GPUs" + (f" ({parts})" if parts else "")
+
+
+__all__ = [
+    "DEFAULT_PORT", "DEFAULT_PREFIX", "MAX_EXTENDER_PRIORITY", "VERBS", "Extender", "ExtenderArgs",
+    "ExtenderBindingArgs", "ExtenderBindingResult", "ExtenderFilterResult", "ExtenderPreemptionArgs",
+    "ExtenderPreemptionResult", "ExtenderServer", "HostPriority", "VictimPod", "Victims", "WireError", "dumps",
+    "extender_scores", "handle", "normalise_prefix", "scheduler_config",
+]
