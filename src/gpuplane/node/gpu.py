@@ -3,10 +3,16 @@
 `NvmlBackend` reads real cards through NVML (`pynvml`, package nvidia-ml-py); `FakeGpuBackend` holds
 readings that tests and benchmarks drive. Every failure reaches callers as `GpuBackendError`, never as
 an `NVMLError`, so an agent needs to survive one exception type only.
+
+Both also implement `DeviceBackend`, what the device plugin and the MIG manager need beyond readings: each
+card's identity and place (`describe`: UUID, device minor, NUMA node, NVLink peers, MIG mode) and MIG
+instances (list, create at a placement with its compute instance, destroy). The fake keeps instances in
+memory and refuses what the driver refuses (an illegal start, an overlap, a second `+me`, MIG mode off).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -17,9 +23,10 @@ from typing import Any, Protocol, TypeVar
 import pynvml
 
 from gpuplane.controllers.colocation import GIB
-from gpuplane.model import GpuplaneError
+from gpuplane.model import CardModel, GpuplaneError
 
-__all__ = ["GIB", "CardReading", "FakeGpuBackend", "GpuBackend", "GpuBackendError", "GpuProcess", "NvmlBackend"]
+__all__ = ["GIB", "CardInfo", "CardReading", "DeviceBackend", "FakeGpuBackend", "GpuBackend", "GpuBackendError",
+           "GpuProcess", "MigInstance", "NvmlBackend"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -70,6 +77,42 @@ class CardReading:
     watched (see `NvmlBackend`'s `xid_events`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CardInfo:
+    """A card's identity and place, which do not change while the node runs (`DeviceBackend.describe`)."""
+
+    index: int
+    uuid: str
+    name: str
+    """As NVML reports it, e.g. "NVIDIA H100 80GB HBM3"."""
+    total_bytes: int
+    minor: int | None = None
+    """The device node is `/dev/nvidia<minor>`; None: unknown (the index is the usual guess)."""
+    numa: int | None = None
+    """The NUMA node the card hangs off; None: unknown (or a single-node machine)."""
+    pci_bus_id: str | None = None
+    nvlink_peers: tuple[int, ...] = ()
+    """Cards reached over NVLink (directly or through the same NVSwitch fabric)."""
+    mig_enabled: bool | None = None
+    """Current MIG mode; None on a card that has no MIG."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One GPU instance (and its compute instance) on a card in MIG mode.
+
+    `start`/`size` count memory slices (`nvmlGpuInstancePlacement_t`); `uuid` is the MIG device's
+    (`MIG-…`), None while the GPU instance has no compute instance."""
+
+    card: int
+    profile_id: int
+    start: int
+    size: int
+    gpu_instance_id: int
+    compute_instance_id: int | None = None
+    uuid: str | None = None
+
+
 class GpuBackend(Protocol):
     def cards(self) -> list[CardReading]:
         """A reading of every card, in index order; raises `GpuBackendError` when any card cannot be read."""
@@ -77,6 +120,32 @@ class GpuBackend(Protocol):
 
     def close(self) -> None:
         """Release the backend; idempotent."""
+        ...
+
+
+class DeviceBackend(GpuBackend, Protocol):
+    """A `GpuBackend` that also describes its cards and manages MIG instances (the device plugin's and the MIG
+    manager's view). Every failure is a `GpuBackendError` whose message names the call."""
+
+    def describe(self) -> list[CardInfo]:
+        """Every card's identity and place, in index order."""
+        ...
+
+    def set_mig_mode(self, card: int, enabled: bool) -> bool:
+        """Ask for MIG mode on or off; True when it is in effect now, False while it waits for a GPU reset."""
+        ...
+
+    def mig_instances(self, card: int) -> list[MigInstance]:
+        """The GPU instances on the card, by start; [] when MIG mode is off."""
+        ...
+
+    def create_mig_instance(self, card: int, profile_id: int, start: int) -> MigInstance:
+        """Create a GPU instance of `profile_id` (the real ID, e.g. 9 for 3g) at memory slice `start`, with one
+        compute instance spanning it."""
+        ...
+
+    def destroy_mig_instance(self, card: int, gpu_instance_id: int) -> None:
+        """Destroy the GPU instance and its compute instances."""
         ...
 
 
@@ -95,6 +164,33 @@ def _nvml_optional(call: str, fn: Callable[..., T], *args: Any) -> T | None:
         return None
     except pynvml.NVMLError as exc:
         raise GpuBackendError(f"{call}: {exc}") from exc
+
+
+def _nvml_absent(call: str, fn: Callable[..., T], *args: Any) -> T | None:
+    """None where the card, the driver or the library lacks the call or the object (MIG on a non-MIG card)."""
+    try:
+        return fn(*args)
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_InvalidArgument):
+        return None
+    except pynvml.NVMLError as exc:
+        raise GpuBackendError(f"{call}: {exc}") from exc
+
+
+def _sysfs_numa(bus_id: str) -> int | None:
+    """The NUMA node Linux reports for a PCI device (`-1`: none), for drivers without nvmlDeviceGetNumaNodeId."""
+    domain, _, rest = bus_id.lower().partition(":")
+    path = f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node"
+    try:
+        with open(path) as f:
+            value = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+_CI_PROFILE_BY_SLICES = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+"""Compute slices of a GPU instance -> the NVML_COMPUTE_INSTANCE_PROFILE_* index of a compute instance spanning it."""
+_MAX_PLACEMENTS = 16
 
 
 class NvmlBackend:
@@ -232,6 +328,173 @@ class NvmlBackend:
             del held[pid]
         return {pid: util for pid, (util, _) in held.items()}
 
+    # -- identity, topology and MIG (DeviceBackend) ---------------------------------------------------------
+
+    def describe(self) -> list[CardInfo]:
+        count = int(_nvml("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount))
+        handles = [_nvml("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+        infos = []
+        for index, handle in enumerate(handles):
+            memory = _nvml("nvmlDeviceGetMemoryInfo", pynvml.nvmlDeviceGetMemoryInfo, handle)
+            pci = _nvml_absent("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle)
+            bus = None if pci is None else _text(pci.busId)
+            numa = _nvml_absent("nvmlDeviceGetNumaNodeId", pynvml.nvmlDeviceGetNumaNodeId, handle)
+            if numa is None and bus is not None:
+                numa = _sysfs_numa(bus)
+            minor = _nvml_absent("nvmlDeviceGetMinorNumber", pynvml.nvmlDeviceGetMinorNumber, handle)
+            mig = _nvml_absent("nvmlDeviceGetMigMode", pynvml.nvmlDeviceGetMigMode, handle)
+            infos.append(CardInfo(
+                index=index, uuid=str(_nvml("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, handle)),
+                name=str(_nvml("nvmlDeviceGetName", pynvml.nvmlDeviceGetName, handle)),
+                total_bytes=int(memory.total), minor=None if minor is None else int(minor),
+                numa=None if numa is None or int(numa) < 0 else int(numa), pci_bus_id=bus,
+                mig_enabled=None if mig is None else bool(mig[0])))
+        peers = self._nvlink_peers(handles, [i.pci_bus_id for i in infos])
+        return [CardInfo(i.index, i.uuid, i.name, i.total_bytes, i.minor, i.numa, i.pci_bus_id, peers[i.index],
+                         i.mig_enabled) for i in infos]
+
+    @staticmethod
+    def _nvlink_peers(handles: Sequence[Any], buses: Sequence[str | None]) -> list[tuple[int, ...]]:
+        """Per card, the cards it reaches over NVLink: a link whose far end is another card joins the two; links
+        whose far end is no card (an NVSwitch) join all cards that have such links."""
+        by_bus = {bus.lower(): i for i, bus in enumerate(buses) if bus}
+        direct: list[set[int]] = [set() for _ in handles]
+        switched: set[int] = set()
+        for index, handle in enumerate(handles):
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        continue
+                    remote = _text(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId).lower()
+                except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument,
+                        pynvml.NVMLError_FunctionNotFound):
+                    break
+                except pynvml.NVMLError as exc:
+                    raise GpuBackendError(f"nvmlDeviceGetNvLinkState: {exc}") from exc
+                peer = by_bus.get(remote)
+                if peer is None:
+                    switched.add(index)
+                elif peer != index:
+                    direct[index].add(peer)
+                    direct[peer].add(index)
+        return [tuple(sorted((direct[i] | (switched if i in switched else set())) - {i})) for i in range(len(handles))]
+
+    def set_mig_mode(self, card: int, enabled: bool) -> bool:
+        handle = self._handle(card)
+        wanted = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        _nvml("nvmlDeviceSetMigMode", pynvml.nvmlDeviceSetMigMode, handle, wanted)
+        current, _pending = _nvml("nvmlDeviceGetMigMode", pynvml.nvmlDeviceGetMigMode, handle)
+        return bool(int(current) == wanted)
+
+    def mig_instances(self, card: int) -> list[MigInstance]:
+        handle = self._handle(card)
+        mode = _nvml_absent("nvmlDeviceGetMigMode", pynvml.nvmlDeviceGetMigMode, handle)
+        if mode is None or not int(mode[0]):
+            return []
+        devices = self._mig_devices(handle)
+        found: dict[int, MigInstance] = {}
+        for _, info in self._gi_profiles(handle):
+            if int(info.instanceCount) <= 0:
+                continue
+            array = (pynvml.c_nvmlGpuInstance_t * int(info.instanceCount))()
+            count = ctypes.c_uint(int(info.instanceCount))
+            _nvml("nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances, handle, int(info.id), array,
+                  ctypes.byref(count))
+            for gpu_instance in array[:count.value]:
+                gi = _nvml("nvmlGpuInstanceGetInfo", pynvml.nvmlGpuInstanceGetInfo, gpu_instance)
+                ci, uuid = devices.get(int(gi.id), (None, None))
+                found[int(gi.id)] = MigInstance(card, int(gi.profileId), int(gi.placement.start),
+                                                int(gi.placement.size), int(gi.id), ci, uuid)
+        return sorted(found.values(), key=lambda m: (m.start, m.gpu_instance_id))
+
+    def create_mig_instance(self, card: int, profile_id: int, start: int) -> MigInstance:
+        handle = self._handle(card)
+        info = next((info for _, info in self._gi_profiles(handle) if int(info.id) == profile_id), None)
+        if info is None:
+            raise GpuBackendError(f"card {card}: no MIG GPU-instance profile with ID {profile_id}")
+        size = self._placement_size(handle, profile_id, start)
+        if size is None:
+            raise GpuBackendError(f"card {card}: profile {profile_id} cannot start at memory slice {start}")
+        placement = pynvml.c_nvmlGpuInstancePlacement_t(start, size)
+        gpu_instance = _nvml("nvmlDeviceCreateGpuInstanceWithPlacement",
+                             pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, handle, profile_id,
+                             ctypes.byref(placement))
+        gi = _nvml("nvmlGpuInstanceGetInfo", pynvml.nvmlGpuInstanceGetInfo, gpu_instance)
+        try:
+            ci_index = _CI_PROFILE_BY_SLICES[int(info.sliceCount)]
+            ci_info = _nvml("nvmlGpuInstanceGetComputeInstanceProfileInfo",
+                            pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo, gpu_instance, ci_index,
+                            pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            _nvml("nvmlGpuInstanceCreateComputeInstance", pynvml.nvmlGpuInstanceCreateComputeInstance, gpu_instance,
+                  int(ci_info.id))
+        except (GpuBackendError, KeyError) as exc:
+            try:
+                _nvml("nvmlGpuInstanceDestroy", pynvml.nvmlGpuInstanceDestroy, gpu_instance)
+            except GpuBackendError as undo:
+                log.warning("card %d: GPU instance %d left without a compute instance: %s", card, int(gi.id), undo)
+            raise GpuBackendError(f"card {card}: compute instance for GPU instance {int(gi.id)}: {exc}") from exc
+        ci, uuid = self._mig_devices(handle).get(int(gi.id), (None, None))
+        return MigInstance(card, profile_id, int(gi.placement.start), int(gi.placement.size), int(gi.id), ci, uuid)
+
+    def destroy_mig_instance(self, card: int, gpu_instance_id: int) -> None:
+        handle = self._handle(card)
+        gpu_instance = _nvml("nvmlDeviceGetGpuInstanceById", pynvml.nvmlDeviceGetGpuInstanceById, handle,
+                             gpu_instance_id)
+        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            ci_info = _nvml_absent("nvmlGpuInstanceGetComputeInstanceProfileInfo",
+                                   pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo, gpu_instance, index,
+                                   pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            if ci_info is None or int(ci_info.instanceCount) <= 0:
+                continue
+            array = (pynvml.c_nvmlComputeInstance_t * int(ci_info.instanceCount))()
+            count = ctypes.c_uint(int(ci_info.instanceCount))
+            _nvml("nvmlGpuInstanceGetComputeInstances", pynvml.nvmlGpuInstanceGetComputeInstances, gpu_instance,
+                  int(ci_info.id), array, ctypes.byref(count))
+            for compute_instance in array[:count.value]:
+                _nvml("nvmlComputeInstanceDestroy", pynvml.nvmlComputeInstanceDestroy, compute_instance)
+        _nvml("nvmlGpuInstanceDestroy", pynvml.nvmlGpuInstanceDestroy, gpu_instance)
+
+    def _handle(self, card: int) -> Any:
+        return _nvml("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, card)
+
+    @staticmethod
+    def _gi_profiles(handle: Any) -> list[tuple[int, Any]]:
+        """(index constant, profile info) for every GPU-instance profile the card has."""
+        found = []
+        seen: set[int] = set()
+        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            info = _nvml_absent("nvmlDeviceGetGpuInstanceProfileInfo", pynvml.nvmlDeviceGetGpuInstanceProfileInfo,
+                                handle, index)
+            if info is not None and int(info.id) not in seen:
+                seen.add(int(info.id))
+                found.append((index, info))
+        return found
+
+    @staticmethod
+    def _placement_size(handle: Any, profile_id: int, start: int) -> int | None:
+        """The placement's size for a legal start (as the driver lists it), else None."""
+        array = (pynvml.c_nvmlGpuInstancePlacement_t * _MAX_PLACEMENTS)()
+        count = ctypes.c_uint(_MAX_PLACEMENTS)
+        _nvml("nvmlDeviceGetGpuInstancePossiblePlacements", pynvml.nvmlDeviceGetGpuInstancePossiblePlacements,
+              handle, profile_id, array, ctypes.byref(count))
+        return next((int(p.size) for p in array[:count.value] if int(p.start) == start), None)
+
+    @staticmethod
+    def _mig_devices(handle: Any) -> dict[int, tuple[int, str]]:
+        """GPU instance ID -> (compute instance ID, MIG device UUID), for the instances that have a MIG device."""
+        found: dict[int, tuple[int, str]] = {}
+        for i in range(int(_nvml("nvmlDeviceGetMaxMigDeviceCount", pynvml.nvmlDeviceGetMaxMigDeviceCount, handle))):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except pynvml.NVMLError_NotFound:
+                continue
+            except pynvml.NVMLError as exc:
+                raise GpuBackendError(f"nvmlDeviceGetMigDeviceHandleByIndex: {exc}") from exc
+            gi = int(_nvml("nvmlDeviceGetGpuInstanceId", pynvml.nvmlDeviceGetGpuInstanceId, mig))
+            ci = int(_nvml("nvmlDeviceGetComputeInstanceId", pynvml.nvmlDeviceGetComputeInstanceId, mig))
+            found[gi] = (ci, str(_nvml("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, mig)))
+        return found
+
 
 def _text(value: str | bytes) -> str:
     """pynvml hands out C strings as str or bytes depending on the field and the version."""
@@ -243,21 +506,51 @@ class _FakeCard:
     total_bytes: int
     used_bytes: int | None = None
     processes: dict[int, GpuProcess] = field(default_factory=dict)
+    xid_last: int | None = None
+    mig_enabled: bool | None = None
+    instances: dict[int, MigInstance] = field(default_factory=dict)
+    """GPU instance ID -> instance."""
+    next_gi: int = 1
 
 
 class FakeGpuBackend:
     """Cards whose readings a test sets. Memory used is the sum of the processes' memory unless
-    `set_memory` fixed it. Safe to drive from one thread while another reads."""
+    `set_memory` fixed it. Safe to drive from one thread while another reads.
 
-    def __init__(self, cards: int = 1, total_bytes: int | Sequence[int] = 80 * GIB) -> None:
+    Card `i` is `GPU-fake-<i>` (a `uuid_prefix` changes the `fake` part), named `name`. With `mig_model`
+    (a catalog `CardModel` with MIG profiles) the cards take MIG instances, starting with MIG mode off (or on,
+    with `mig_enabled`); creating one checks the profile, the legal start, overlap with the instances present,
+    `+me` at most once and the profile's maximum count, as the driver does. `numa` gives each card's NUMA
+    node, `nvlink_groups` the cards joined by NVLink."""
+
+    def __init__(self, cards: int = 1, total_bytes: int | Sequence[int] = 80 * GIB, *, name: str = "Fake GPU",
+                 uuid_prefix: str = "fake", numa: Sequence[int] | None = None,
+                 nvlink_groups: Sequence[Sequence[int]] = (), mig_model: CardModel | None = None,
+                 mig_enabled: bool = False) -> None:
         totals = [total_bytes] * cards if isinstance(total_bytes, int) else list(total_bytes)
         if len(totals) != cards:
             raise ValueError(f"total_bytes: {len(totals)} values for {cards} cards")
-        self._cards = [_FakeCard(total) for total in totals]
+        if numa is not None and len(numa) != cards:
+            raise ValueError(f"numa: {len(numa)} values for {cards} cards")
+        if mig_model is not None and not mig_model.mig_capable:
+            raise ValueError(f"mig_model: {mig_model.name} has no MIG profiles")
+        mig = None if mig_model is None else mig_enabled
+        self._cards = [_FakeCard(total, mig_enabled=mig) for total in totals]
+        self._name = name
+        self._prefix = uuid_prefix
+        self._numa = list(numa) if numa is not None else None
+        self._peers: list[set[int]] = [set() for _ in range(cards)]
+        for group in nvlink_groups:
+            for card in group:
+                self._peers[card] |= set(group) - {card}
+        self._mig_model = mig_model
         self._lock = threading.Lock()
         self._failures = 0
         self.reads = 0
         """How many readings `cards()` has returned or failed."""
+
+    def uuid(self, card: int) -> str:
+        return f"GPU-{self._prefix}-{card}"
 
     def set_memory(self, card: int, used_bytes: int | None) -> None:
         """Fix the card's used memory; None goes back to the sum of its processes."""
@@ -271,6 +564,11 @@ class FakeGpuBackend:
     def remove_process(self, card: int, pid: int) -> None:
         with self._lock:
             self._cards[card].processes.pop(pid, None)
+
+    def set_xid(self, card: int, xid: int | None) -> None:
+        """The card's last Xid, as `NvmlBackend` with Xid events reports it (0: none; None: not watched)."""
+        with self._lock:
+            self._cards[card].xid_last = xid
 
     def fail_next(self, n: int) -> None:
         """Make the next `n` calls of `cards()` raise `GpuBackendError`."""
@@ -288,6 +586,74 @@ class FakeGpuBackend:
     def close(self) -> None:
         """Nothing to release."""
 
+    def describe(self) -> list[CardInfo]:
+        with self._lock:
+            return [CardInfo(i, self.uuid(i), self._name, card.total_bytes, minor=i,
+                             numa=None if self._numa is None else self._numa[i],
+                             nvlink_peers=tuple(sorted(self._peers[i])), mig_enabled=card.mig_enabled)
+                    for i, card in enumerate(self._cards)]
+
+    def set_mig_mode(self, card: int, enabled: bool) -> bool:
+        with self._lock:
+            state = self._card(card)
+            if state.mig_enabled is None:
+                raise GpuBackendError(f"nvmlDeviceSetMigMode: card {card}: Not Supported")
+            if not enabled and state.instances:
+                raise GpuBackendError(f"nvmlDeviceSetMigMode: card {card}: In use by another client "
+                                      f"({len(state.instances)} GPU instances)")
+            state.mig_enabled = enabled
+            return True
+
+    def mig_instances(self, card: int) -> list[MigInstance]:
+        with self._lock:
+            state = self._card(card)
+            return sorted(state.instances.values(), key=lambda m: (m.start, m.gpu_instance_id))
+
+    def create_mig_instance(self, card: int, profile_id: int, start: int) -> MigInstance:
+        call = "nvmlDeviceCreateGpuInstanceWithPlacement"
+        with self._lock:
+            state = self._card(card)
+            model = self._mig_model
+            if model is None or not state.mig_enabled:
+                raise GpuBackendError(f"{call}: card {card}: MIG mode is not enabled (Invalid State)")
+            profile = model.mig_profile(profile_id)
+            if profile is None:
+                raise GpuBackendError(f"{call}: card {card}: no GPU-instance profile {profile_id} (Invalid Argument)")
+            if start not in profile.starts:
+                raise GpuBackendError(f"{call}: card {card}: profile {profile_id} cannot start at {start} "
+                                      f"(legal: {list(profile.starts)}) (Invalid Argument)")
+            mask = profile.slot_mask(start)
+            same = [m for m in state.instances.values() if m.profile_id == profile_id]
+            for other in state.instances.values():
+                other_profile = model.mig_profile(other.profile_id)
+                if mask & ((1 << other.size) - 1) << other.start:
+                    raise GpuBackendError(f"{call}: card {card}: [{start}, {start + profile.memory_slices}) overlaps "
+                                          f"GPU instance {other.gpu_instance_id} (Insufficient Resources)")
+                if profile.media_extensions and other_profile is not None and other_profile.media_extensions:
+                    raise GpuBackendError(f"{call}: card {card}: the media extensions are taken "
+                                          "(Insufficient Resources)")
+            if len(same) >= profile.max_count:
+                raise GpuBackendError(f"{call}: card {card}: profile {profile_id} at its maximum of "
+                                      f"{profile.max_count} (Insufficient Resources)")
+            gi = state.next_gi
+            state.next_gi += 1
+            instance = MigInstance(card, profile_id, start, profile.memory_slices, gi, 0,
+                                   f"MIG-{self._prefix}-{card}-{gi}")
+            state.instances[gi] = instance
+            return instance
+
+    def destroy_mig_instance(self, card: int, gpu_instance_id: int) -> None:
+        with self._lock:
+            state = self._card(card)
+            if state.instances.pop(gpu_instance_id, None) is None:
+                raise GpuBackendError(f"nvmlDeviceGetGpuInstanceById: card {card}: no GPU instance "
+                                      f"{gpu_instance_id} (Not Found)")
+
+    def _card(self, card: int) -> _FakeCard:
+        if not 0 <= card < len(self._cards):
+            raise GpuBackendError(f"nvmlDeviceGetHandleByIndex: card {card}: Invalid Argument")
+        return self._cards[card]
+
     def _reading(self, index: int, card: _FakeCard) -> CardReading:
         processes = tuple(card.processes.values())
         used = card.used_bytes
@@ -296,8 +662,8 @@ class FakeGpuBackend:
         utils = [p.sm_util_pct for p in processes if p.sm_util_pct is not None]
         return CardReading(
             index=index,
-            uuid=f"GPU-fake-{index}",
-            name="Fake GPU",
+            uuid=self.uuid(index),
+            name=self._name,
             total_bytes=card.total_bytes,
             used_bytes=used,
             free_bytes=max(0, card.total_bytes - used),
@@ -305,4 +671,5 @@ class FakeGpuBackend:
             enc_util_pct=None,
             dec_util_pct=None,
             processes=processes,
+            xid_last=card.xid_last,
         )

@@ -1,0 +1,172 @@
+"""`gpuplane device-plugin` (the node agent's kubelet device plugin) and `gpuplane mig-apply` (the MIG manager)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+from gpuplane.model import CatalogError, GpuplaneError, MigMode, default_catalog
+
+if TYPE_CHECKING:
+    from gpuplane.kube.objects import NodeInventory
+    from gpuplane.node.gpu import DeviceBackend
+
+err = Console(stderr=True)
+
+
+def _fail(message: str) -> NoReturn:
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `device-plugin` and `mig-apply` to `app`."""
+
+    @app.command("device-plugin")
+    def device_plugin(
+        directory: Annotated[Path, typer.Option("--dir", help="kubelet's device-plugin directory")]
+            = Path("/var/lib/kubelet/device-plugins/"),
+        node_name: Annotated[str | None, typer.Option(help="this node [default: $NODE_NAME]")] = None,
+        split: Annotated[int, typer.Option(help="units advertised per card (containers that may share one)")] = 10,
+        mps: Annotated[bool, typer.Option("--mps", help="the cards run an MPS daemon: hand out MPS client "
+                                                        "variables instead of HAMi-core's")] = False,
+        mps_pipe_dir: Annotated[str, typer.Option(help="the MPS daemon's pipe directory")] = "/tmp/nvidia-mps",
+        vgpu_dir: Annotated[str, typer.Option(help="host directory with libvgpu.so and ld.so.preload")]
+            = "/usr/local/vgpu",
+        mig_mode: Annotated[str | None, typer.Option(help="MIG mode published in the inventory: dynamic, on, off "
+                                                          "[default: dynamic on MIG-capable cards]")] = None,
+        fake_cards: Annotated[int | None, typer.Option(help="use N fake cards instead of NVML (a dry run "
+                                                            "without a GPU)")] = None,
+        fake_model: Annotated[str, typer.Option(help="catalog model of the fake cards")] = "H100-80GB",
+        kubeconfig: Annotated[str | None, typer.Option(help="kubeconfig file [default: in-cluster, then "
+                                                            "$KUBECONFIG]")] = None,
+        interval_s: Annotated[float, typer.Option("--interval", help="seconds between health and socket "
+                                                                     "checks")] = 5.0,
+    ) -> None:
+        """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM."""
+        from gpuplane.node.allocation import AllocationSettings, AssignmentSource, MemoryAssignmentSource
+        from gpuplane.node.device_plugin import DevicePlugin, PluginSettings, publish_inventory
+
+        node = node_name or os.environ.get("NODE_NAME")
+        if not node:
+            _fail("--node-name: not given and $NODE_NAME is not set")
+        if split < 1:
+            _fail(f"--split: at least 1, got {split}")
+        if interval_s <= 0:
+            _fail(f"--interval: must be positive, got {interval_s}")
+        try:
+            mode = MigMode(mig_mode) if mig_mode is not None else None
+        except ValueError:
+            _fail(f"--mig-mode: {mig_mode!r} is not one of dynamic, on, off")
+        settings = PluginSettings(node_name=node, directory=directory, split=split, mig_mode=mode,
+                                  allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir,
+                                                                vgpu_dir=vgpu_dir))
+        backend = _backend(fake_cards, fake_model)
+        source: AssignmentSource
+        publish: Callable[[NodeInventory], None] | None = None
+        try:
+            from gpuplane.kube.api import connect_api
+            from gpuplane.node.allocation import KubeAssignmentSource
+
+            api = connect_api(kubeconfig)
+            source = KubeAssignmentSource(api, node, settings.resource)
+            publish = functools.partial(publish_inventory, api, node)
+        except Exception as exc:  # the client's ConfigException, a missing file
+            if kubeconfig is not None or fake_cards is None:
+                backend.close()
+                _fail(f"--kubeconfig: cannot reach the API server: {exc}")
+            err.print(f"no API server ({exc}): a dry run, no pod will match an allocation")
+            source = MemoryAssignmentSource()
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        plugin = DevicePlugin(settings, backend, source, publish=publish)
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            try:
+                plugin.start()
+            except GpuplaneError as exc:
+                _fail(str(exc))
+            err.print(f"device plugin: {len(plugin.cards)} cards × {split} units of {settings.resource} on "
+                      f"{plugin.socket_path}")
+            plugin.run(stop, interval_s)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            plugin.stop()
+            backend.close()
+
+    @app.command("mig-apply")
+    def mig_apply(
+        card: Annotated[int, typer.Option(min=0, help="card index")],
+        profiles: Annotated[str, typer.Option(help="wanted instances: driver names or profile IDs, optionally "
+                                                   "@start, e.g. 3g.40gb,2g.20gb@0,19")],
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, change nothing")] = False,
+        fake_model: Annotated[str | None, typer.Option(help="plan on a fake card of this catalog model instead "
+                                                            "of NVML")] = None,
+    ) -> None:
+        """Make a card's MIG instances exactly the wanted ones (keeping what it can), or print the plan."""
+        from gpuplane.node.device_plugin import canonical_model
+        from gpuplane.node.gpu import GpuBackendError
+        from gpuplane.node.mig import apply_plan, parse_profiles, plan_layout
+
+        catalog = default_catalog()
+        backend = _backend(1 if fake_model is not None else None, fake_model or "", mig=True)
+        try:
+            infos = backend.describe()
+            if card >= len(infos):
+                _fail(f"--card: {card} is not one of the node's {len(infos)} cards")
+            info = infos[card]
+            model = catalog.get(canonical_model(info.name, info.total_bytes, catalog))
+            wanted, status = parse_profiles(model, profiles)
+            if not status.ok:
+                _fail(f"--profiles: {status.message}")
+            plan, status = plan_layout(model, card, wanted, backend.mig_instances(card), info.mig_enabled)
+            if plan is None:
+                _fail(f"--profiles: {status.message}")
+            if dry_run:
+                print(f"plan for card {card} ({model.name}), not applied (--dry-run):")
+            for line in plan.lines(model):
+                print(line)
+            if dry_run or plan.empty:
+                return
+            result = apply_plan(backend, plan)
+            for instance in result.created:
+                print(f"card {card}: created GPU instance {instance.gpu_instance_id} at {instance.start}: "
+                      f"{instance.uuid or '(no MIG device yet)'}")
+            if not result.status.ok:
+                err.print(f"[red]error:[/] {result.status.message}")
+                raise typer.Exit(1)
+        except (GpuBackendError, CatalogError) as exc:
+            _fail(str(exc))
+        finally:
+            backend.close()
+
+
+def _backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> DeviceBackend:
+    """The NVML backend, or `fake_cards` fake cards of catalog model `fake_model` (exit 2 when unusable)."""
+    from gpuplane.node.gpu import FakeGpuBackend, NvmlBackend
+
+    if fake_cards is None:
+        try:
+            return NvmlBackend(xid_events=not mig)
+        except GpuplaneError as exc:
+            _fail(f"cannot read the GPUs through NVML ({exc}); --fake-cards/--fake-model run without one")
+    if fake_cards < 1:
+        _fail(f"--fake-cards: at least 1, got {fake_cards}")
+    try:
+        model = default_catalog().get(fake_model)
+    except CatalogError as exc:
+        _fail(f"--fake-model: {exc}")
+    return FakeGpuBackend(fake_cards, model.memory_mib << 20, name=model.name, numa=[i * 2 // fake_cards
+                                                                                      for i in range(fake_cards)],
+                          mig_model=model if model.mig_capable else None)
