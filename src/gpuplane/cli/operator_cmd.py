@@ -1,0 +1,137 @@
+"""`gpuplane webhook`, `gpuplane operator` and `gpuplane crds`: admission, the in-cluster controllers, the CRDs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("crds")
+    def crds(
+        out: Annotated[Path, typer.Option("--out", help="folder to write <plural>.gpuplane.io.yaml into")] = Path(
+            "deploy/crds"),
+    ) -> None:
+        """Write the CustomResourceDefinitions of gpuplane's custom resources (generated from their models)."""
+        from gpuplane.kube.crds import write_crds
+
+        try:
+            paths = write_crds(out)
+        except OSError as exc:
+            _fail(f"--out {out}: {exc}")
+        for path in paths:
+            print(path)
+
+    @app.command("webhook")
+    def webhook(
+        port: Annotated[int, typer.Option(min=0, max=65535, help="port to serve /validate on")] = 9443,
+        addr: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+        cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM); without it, plain HTTP")] = None,
+        key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+        scheduler_account: Annotated[list[str] | None, typer.Option(
+            "--scheduler-account", help="user allowed to write the scheduler's pod annotations (repeatable) "
+                                        "[default: system:serviceaccount:gpuplane-system:gpuplane-scheduler]")] = None,
+        device_plugin_account: Annotated[list[str] | None, typer.Option(
+            "--device-plugin-account", help="user allowed to change bind-phase only (repeatable) "
+                                            "[default: system:serviceaccount:gpuplane-system:gpuplane-node-agent]")
+        ] = None,
+    ) -> None:
+        """Serve the validating admission webhook (AdmissionReview v1 on POST /validate) until Ctrl-C or SIGTERM."""
+        import logging
+        import signal
+
+        from gpuplane.kube.webhook import (
+            DEFAULT_DEVICE_PLUGIN_ACCOUNT,
+            DEFAULT_SCHEDULER_ACCOUNT,
+            AdmissionPolicy,
+            WebhookServer,
+        )
+
+        if (cert is None) != (key is None):
+            _fail("--cert and --key go together")
+        for flag, path in (("--cert", cert), ("--key", key)):
+            if path is not None and not path.is_file():
+                _fail(f"{flag} {path}: no such file")
+        policy = AdmissionPolicy(frozenset(scheduler_account or [DEFAULT_SCHEDULER_ACCOUNT]),
+                                 frozenset(device_plugin_account or [DEFAULT_DEVICE_PLUGIN_ACCOUNT]))
+        try:
+            server = WebhookServer(policy, addr, port, cert=cert, key=key)
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot serve on {addr}:{port}: {exc}")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger(__name__).info("admission webhook on %s/validate", server.url)
+        def terminate(*_: object) -> None:
+            raise KeyboardInterrupt  # serve_forever runs on this thread: shutdown() from here would wait forever
+
+        signal.signal(signal.SIGTERM, terminate)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+
+    @app.command("operator")
+    def operator(
+        namespace: Annotated[str, typer.Option(help="namespace of the leader-election Lease")] = "gpuplane-system",
+        lease_name: Annotated[str, typer.Option(help="name of the Lease")] = "gpuplane-operator",
+        identity: Annotated[str | None, typer.Option(help="this replica's holder identity [default: $POD_NAME, "
+                                                          "else the host name]")] = None,
+        watch_namespace: Annotated[str | None, typer.Option(help="only this namespace's policies [default: all]")
+                                   ] = None,
+        lease_duration: Annotated[float, typer.Option(help="seconds")] = 15.0,
+        renew_deadline: Annotated[float, typer.Option(help="seconds")] = 10.0,
+        retry_period: Annotated[float, typer.Option(help="seconds")] = 2.0,
+        health_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve /healthz on this port")
+                               ] = None,
+        kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
+                              ] = None,
+    ) -> None:
+        """Run the controllers in-cluster with leader election on a Lease until Ctrl-C or SIGTERM."""
+        import logging
+        import signal
+        import threading
+
+        from kubernetes.config import ConfigException
+
+        from gpuplane.kube.api import connect_api
+        from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
+        from gpuplane.kube.operator import HealthServer, run_operator
+
+        holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
+        try:
+            config = LeaseConfig(namespace, lease_name, holder, lease_duration, renew_deadline, retry_period)
+        except LeaseConfigError as exc:
+            _fail(str(exc))
+        if kubeconfig is not None and not kubeconfig.is_file():
+            _fail(f"--kubeconfig {kubeconfig}: no such file")
+        try:
+            api = connect_api(str(kubeconfig) if kubeconfig else None)
+        except ConfigException as exc:
+            _fail(f"no cluster to talk to: {exc}")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        stop = threading.Event()
+        health = None
+        if health_port is not None:
+            try:
+                health = HealthServer(health_port).start()
+            except OSError as exc:
+                _fail(f"--health-port {health_port}: {exc}")
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            run_operator(api, config, stop, namespace=watch_namespace)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if health is not None:
+                health.stop()

@@ -1,0 +1,327 @@
+"""The operator: gpuplane's controllers in the cluster, under leader election on a Lease.
+
+`Operator.tick()` is one pass of a small loop: tick the `LeaseElector`; while leader, read the custom resources
+(informers on `gpuplane.io/v1alpha1` GpuPools, TidalPolicies and ColocationPolicies), validate each
+(`crds.parse_resource`), run one `TidalController` per valid TidalPolicy through `KubeCluster`, and write each
+resource's `status` (observedGeneration; conditions `Valid` and, for TidalPolicies, `Applied`, with reasons).
+An invalid resource gets `Valid=False` with the field named and is not applied. While not leader it does
+nothing: no informers, no cluster cache, no writes. Losing the lease drops everything; the next leader (or
+this one, later) rebuilds its state from the API: the resources, the nodes' loan labels and annotations the
+tidal controller wrote (its ledger), and the pods.
+
+Why a small loop rather than kopf: kopf's peering is a priority scheme on its own CRD, not a Lease lock, and
+it owns the event loop and the clock; the controllers here are already clock-driven reconcilers, and this
+loop runs them in virtual time against the local test API server, the same code path as in the cluster.
+
+The recovery controller is not run here: it needs the failure classifier's log stream and node health
+reports, which come from the node agent, not from these resources.
+
+Times of day in TidalPolicies are UTC (the controller takes `now() mod 86400`). Load forecasts are injected
+(`forecast`); without one the policy's floors alone set replicas (day floor by day, night replicas at night).
+Workloads are the policy namespace's Deployments `<service>-stable` and `<service>-tidal`, whose pods carry
+label `gpuplane.io/workload: <service>-stable|-tidal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from gpuplane.controllers.tidal import SUBSET_LABEL, LoadForecast, TidalController
+from gpuplane.kube.api import ApiError, JsonObject, KubeApi
+from gpuplane.kube.cluster import KubeCluster
+from gpuplane.kube.crds import (
+    KINDS,
+    TIDAL_POLICY,
+    ColocationPolicySpec,
+    GpuPoolSpec,
+    Kind,
+    Resource,
+    ResourceError,
+    TidalPolicySpec,
+    parse_resource,
+)
+from gpuplane.kube.informer import Informer
+from gpuplane.kube.lease import LeaseConfig, LeaseElector
+from gpuplane.kube.objects import format_time, object_key
+from gpuplane.model import Assignment, Catalog, PodRequest, Taint, default_catalog
+from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
+
+log = logging.getLogger(__name__)
+
+NO_LOAD = LoadForecast(lambda service, t, horizon: 0.0)
+"""No forecast: the policy's floors alone set the replicas."""
+
+
+class NamespacedWorkloads:
+    """The cluster port as a TidalPolicy in `namespace` sees it: its services' workloads are that namespace's
+    Deployments (`scale("chat-tidal")` scales `namespace/chat-tidal`), and pods of other namespaces never
+    count as its services' replicas. Nodes, and every pod's placement, stay cluster-wide."""
+
+    def __init__(self, port: ClusterPort, namespace: str) -> None:
+        self.port = port
+        self.namespace = namespace
+
+    def _local(self, pod: PodInfo) -> PodInfo:
+        workload = pod.request.workload
+        if workload is None or "/" in workload or pod.name.startswith(f"{self.namespace}/"):
+            return pod
+        foreign = f"{pod.name.split('/', 1)[0]}/{workload}"
+        return dataclasses.replace(pod, request=dataclasses.replace(pod.request, workload=foreign))
+
+    def list_nodes(self) -> Sequence[NodeInfo]:
+        return self.port.list_nodes()
+
+    def list_pods(self) -> Sequence[PodInfo]:
+        return [self._local(p) for p in self.port.list_pods()]
+
+    def watch(self, handler: Handler) -> Unsubscribe:
+        return self.port.watch(handler)
+
+    def create_pod(self, request: PodRequest) -> Status:
+        return self.port.create_pod(request)
+
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        return self.port.bind(pod, assignment, node_version=node_version)
+
+    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
+        return self.port.evict(pod, grace_s=grace_s, reason=reason)
+
+    def delete_pod(self, pod: str) -> Status:
+        return self.port.delete_pod(pod)
+
+    def fail_pod(self, pod: str, reason: str) -> Status:
+        return self.port.fail_pod(pod, reason)
+
+    def scale(self, workload: str, replicas: int) -> Status:
+        return self.port.scale(workload if "/" in workload else f"{self.namespace}/{workload}", replicas)
+
+    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
+        return self.port.patch_pod(pod, annotations=annotations)
+
+    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
+                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
+                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
+        return self.port.patch_node(node, labels=labels, taints=taints, annotations=annotations,
+                                    unschedulable=unschedulable, pool=pool)
+
+
+@dataclass(slots=True)
+class _Tidal:
+    generation: int
+    spec: TidalPolicySpec
+    controller: TidalController
+
+
+ClusterFactory = Callable[[], KubeCluster]
+
+
+class Operator:
+    """Runs the controllers while `elector` leads. `cluster_factory` builds the cluster port (started) when
+    leadership begins; `namespace` limits the namespaced resources watched (None: all namespaces)."""
+
+    def __init__(self, api: KubeApi, elector: LeaseElector, clock: Clock, *, catalog: Catalog | None = None,
+                 cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
+                 forecast: LoadForecast = NO_LOAD) -> None:
+        self.api = api
+        self.elector = elector
+        self.clock = clock
+        self.catalog = catalog if catalog is not None else default_catalog()
+        self.namespace = namespace
+        self.forecast = forecast
+        self._cluster_factory = cluster_factory or (
+            lambda: KubeCluster(api, self.catalog, clock=clock, dispatch="manual"))
+        self.cluster: KubeCluster | None = None
+        self.informers: dict[str, Informer] = {}
+        self.tidal: dict[str, _Tidal] = {}
+        self.resources: dict[str, Resource | ResourceError] = {}
+        """Per `Kind/key`, the last reading: the validated resource or why it is invalid."""
+
+    @property
+    def leading(self) -> bool:
+        return self.cluster is not None
+
+    def tick(self) -> None:
+        """One pass: the election, then (while leader) every resource."""
+        if not self.elector.tick():
+            if self.leading:
+                self._stand_down()
+            return
+        if not self.leading and not self._take_over():
+            return
+        assert self.cluster is not None
+        self.cluster.pump()
+        seen: set[str] = set()
+        for kind in KINDS:
+            for obj in self.informers[kind.kind].objects():
+                key = f"{kind.kind}/{object_key(obj)}"
+                seen.add(key)
+                self._reconcile(kind, key, obj)
+        for key in set(self.tidal) - seen:
+            del self.tidal[key]
+        for key in set(self.resources) - seen:
+            del self.resources[key]
+
+    def shutdown(self) -> None:
+        """Stop the controllers and release the lease, so that another replica takes over at once."""
+        self.tidal.clear()
+        self.elector.release()
+        self._stand_down()
+
+    # ------------------------------------------------------------------ leadership
+    def _take_over(self) -> bool:
+        """Start the cluster cache and the resource informers; False (retried next tick) if the API does not answer."""
+        log.info("leading: starting the controllers")
+        try:
+            self.cluster = self._cluster_factory()
+        except (TimeoutError, ApiError) as exc:
+            log.warning("leading, but the cluster cannot be read yet: %s", exc)
+            return False
+        for kind in KINDS:
+            informer = Informer(self.api, kind.path(self.namespace), name=kind.plural)
+            informer.start()
+            self.informers[kind.kind] = informer
+        for informer in self.informers.values():
+            if not informer.wait_synced(30.0):
+                log.warning("%s: the first list has not answered yet", informer.name)
+        return True
+
+    def _stand_down(self) -> None:
+        if self.cluster is not None:
+            log.info("not leading: stopping the controllers")
+            self.cluster.close()
+        for informer in self.informers.values():
+            informer.stop(timeout_s=0)  # its thread ends at its next read; nothing waits for it
+        self.cluster = None
+        self.informers.clear()
+        self.tidal.clear()
+        self.resources.clear()
+
+    # ------------------------------------------------------------------ resources
+    def _reconcile(self, kind: Kind, key: str, obj: JsonObject) -> None:
+        generation = int((obj.get("metadata") or {}).get("generation") or 0)
+        try:
+            resource = parse_resource(obj, self.catalog)
+        except ResourceError as exc:
+            self.resources[key] = exc
+            self.tidal.pop(key, None)
+            conditions = [("Valid", False, "InvalidSpec", str(exc))]
+            if kind is TIDAL_POLICY:
+                conditions.append(("Applied", False, "InvalidSpec", "not applied: the spec is invalid"))
+            self._write_status(kind, obj, {"observedGeneration": generation}, conditions)
+            return
+        self.resources[key] = resource
+        valid = ("Valid", True, "Valid", "")
+        if isinstance(resource.spec, TidalPolicySpec):
+            self._run_tidal(key, resource, resource.spec, obj, valid)
+        elif isinstance(resource.spec, GpuPoolSpec | ColocationPolicySpec):
+            nodes = self._nodes_matching(resource.spec.node_selector)
+            self._write_status(kind, obj, {"observedGeneration": generation, "nodes": nodes}, [valid])
+
+    def _run_tidal(self, key: str, resource: Resource, spec: TidalPolicySpec, obj: JsonObject,
+                   valid: tuple[str, bool, str, str]) -> None:
+        assert self.cluster is not None and resource.namespace is not None
+        entry = self.tidal.get(key)
+        if entry is None or entry.generation != resource.generation or entry.spec != spec:
+            controller = TidalController(
+                NamespacedWorkloads(self.cluster, resource.namespace), spec, spec.bindings(), self.forecast,
+                self.clock.now, lend=spec.lend, drain_order=spec.order, training_pool=spec.training_pool,
+                tidal_pool=spec.tidal_pool, forecast_horizon_s=spec.forecast_horizon_s)
+            entry = self.tidal[key] = _Tidal(resource.generation, spec, controller)
+        try:
+            entry.controller.reconcile()
+            applied = ("Applied", True, "Reconciled", "")
+        except (ApiError, ValueError) as exc:
+            log.warning("%s: reconcile failed: %s", key, exc)
+            applied = ("Applied", False, "ReconcileFailed", str(exc))
+        self.cluster.pump()
+        _, phase = spec.window_at(self.clock.now())
+        tidal_nodes = sum(1 for n in self.cluster.list_nodes() if dict(n.spec.labels).get(SUBSET_LABEL) == "tidal")
+        status = {"observedGeneration": resource.generation, "nodes": tidal_nodes, "phase": phase,
+                  "lentNodes": len(entry.controller.ledger)}
+        self._write_status(TIDAL_POLICY, obj, status, [valid, applied])
+
+    def _nodes_matching(self, selector: Mapping[str, str]) -> int:
+        assert self.cluster is not None
+        return sum(1 for n in self.cluster.list_nodes()
+                   if all(dict(n.spec.labels).get(k) == v for k, v in selector.items()))
+
+    def _write_status(self, kind: Kind, obj: JsonObject, fields: Mapping[str, Any],
+                      conditions: Sequence[tuple[str, bool, str, str]]) -> None:
+        """Merge-patch `status` when it differs from what the object carries (lastTransitionTime kept while a
+        condition's status stays)."""
+        current = obj.get("status") or {}
+        before = {c.get("type"): c for c in current.get("conditions") or [] if isinstance(c, Mapping)}
+        generation = int(fields.get("observedGeneration") or 0)
+        stamp = format_time(self.clock.now())
+        rendered = []
+        for type_, ok, reason, message in conditions:
+            status = "True" if ok else "False"
+            old = before.get(type_) or {}
+            rendered.append({"type": type_, "status": status, "reason": reason, "message": message,
+                             "lastTransitionTime": old.get("lastTransitionTime", stamp)
+                             if old.get("status") == status else stamp,
+                             "observedGeneration": generation})
+        status_doc = {**fields, "conditions": rendered}
+        if all(current.get(k) == v for k, v in status_doc.items()):
+            return
+        meta = obj.get("metadata") or {}
+        path = kind.path(meta.get("namespace"), str(meta.get("name")), "status")
+        try:
+            self.api.patch(path, {"status": status_doc})
+        except ApiError as exc:
+            log.warning("%s: writing the status failed: %s", path, exc)
+
+
+# ------------------------------------------------------------------ running it
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        ok = self.path in ("/healthz", "/readyz")
+        body = json.dumps({"status": "ok"} if ok else {"message": "not found"}).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class HealthServer(ThreadingHTTPServer):
+    """`/healthz` for the kubelet's probes: every replica answers, leader or not (a standby is healthy)."""
+
+    daemon_threads = True
+
+    def __init__(self, port: int, host: str = "0.0.0.0") -> None:
+        super().__init__((host, port), _Health)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HealthServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="operator health", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def run_operator(api: KubeApi, config: LeaseConfig, stop: threading.Event, *, namespace: str | None = None,
+                 clock: Clock | None = None) -> None:
+    """Tick an operator every half retry period until `stop` is set; then release the lease."""
+    world: Clock = clock if clock is not None else WallClock()
+    elector = LeaseElector(api, config, world.now)
+    operator = Operator(api, elector, world, namespace=namespace)
+    try:
+        while not stop.is_set():
+            operator.tick()
+            stop.wait(config.retry_period_s / 2)
+    finally:
+        operator.shutdown()

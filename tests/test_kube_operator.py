@@ -1,0 +1,368 @@
+"""The operator against the local API server in virtual time: the leader applies a TidalPolicy through KubeCluster
+(nodes get the loan labels, taints and annotations; deployments are scaled; training pods are evicted at reclaim),
+the follower does nothing, an invalid resource gets a status condition naming the field, and a new operator
+instance rebuilds its state from the API and makes the same decisions as the one it replaced."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
+from typer import Typer
+from typer.testing import CliRunner
+
+from gpuplane.cli.operator_cmd import register
+from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNOTATION, SUBSET_LABEL
+from gpuplane.kube.api import RestKubeApi
+from gpuplane.kube.lease import LeaseConfig, LeaseElector
+from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
+from gpuplane.kube.operator import HealthServer, Operator, run_operator
+from gpuplane.port import Timer
+from gpuplane.port.clock import WallClock
+
+MIDNIGHT = 1_764_374_400.0  # 2025-11-29T00:00:00Z
+HOUR = 3600.0
+CRS = "/apis/gpuplane.io/v1alpha1"
+
+
+class VirtualClock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        raise AssertionError("the operator schedules nothing")
+
+    def at(self, hours: float) -> None:
+        """Move to `hours` after midnight of the first day (24+ for the next day)."""
+        assert MIDNIGHT + hours * HOUR >= self.t
+        self.t = MIDNIGHT + hours * HOUR
+
+
+def tidal_policy(shrink_at: str = "22:30", generation: int = 1) -> dict[str, Any]:
+    return {"apiVersion": "gpuplane.io/v1alpha1", "kind": "TidalPolicy",
+            "metadata": {"name": "night", "namespace": "ml", "generation": generation},
+            "spec": {"services": [{"name": "chat", "minReplicas": 2, "maxReplicas": 10, "dayFloor": 6,
+                                   "perReplicaCapacity": 50, "gpuMilliPerReplica": 1000}],
+                     "windows": [{"name": "night", "shrinkAt": shrink_at, "lendFrom": "23:30", "reclaimAt": "07:30",
+                                  "nightReplicas": {"chat": 2}}]}}
+
+
+def deployment(name: str, replicas: int) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {WORKLOAD_LABEL: name}}}}
+
+
+def populate(server: FakeApiServer) -> None:
+    """One stable node and three tidal ones (8 cards each), chat's two Deployments, one chat-tidal replica running
+    on tidal-0, and the TidalPolicy ml/night."""
+    server.add_node(node_json("stable-0", labels={SUBSET_LABEL: "stable", POOL_LABEL: "inference-stable"}))
+    for i in range(3):
+        server.add_node(node_json(f"tidal-{i}", labels={SUBSET_LABEL: "tidal", POOL_LABEL: "inference-tidal"}))
+    for name, replicas in (("chat-stable", 2), ("chat-tidal", 1)):
+        server.add_object("/apis/apps/v1/namespaces/ml/deployments", deployment(name, replicas))
+    server.add_pod(pod_json("chat-tidal-1", namespace="ml", limits={"gpuplane.io/gpu": "1"}, node="tidal-0",
+                            labels={WORKLOAD_LABEL: "chat-tidal"}, phase="Running"))
+    server.add_object(f"{CRS}/namespaces/ml/tidalpolicies", tidal_policy())
+
+
+def operator(server: FakeApiServer, clock: VirtualClock, identity: str) -> Operator:
+    api = RestKubeApi.from_url(server.url, request_timeout_s=10)
+    # Durations longer than the virtual jumps between ticks (at most 8 h here), so leadership holds across them.
+    config = LeaseConfig("gpuplane-system", "gpuplane-operator", identity, lease_duration_s=12 * HOUR,
+                         renew_deadline_s=10 * HOUR, retry_period_s=60)
+    return Operator(api, LeaseElector(api, config, clock.now), clock)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Wait for an informer to catch up with a change made behind the operator's back."""
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def sees(op: Operator, pod: str) -> bool:
+    """Whether the operator's cluster cache holds `pod` (or it has none yet: it will list it when it leads)."""
+    return op.cluster is None or op.cluster.pods.get(pod) is not None
+
+
+def node(server: FakeApiServer, name: str) -> dict[str, Any]:
+    obj = server.get("nodes", name)
+    assert obj is not None
+    return obj
+
+
+def replicas(server: FakeApiServer, name: str) -> int:
+    obj = server.get("deployments", f"ml/{name}")
+    assert obj is not None
+    return int(obj["spec"]["replicas"])
+
+
+def status(server: FakeApiServer, plural: str, key: str) -> dict[str, Any]:
+    obj = server.get(plural, key)
+    assert obj is not None
+    return dict(obj.get("status") or {})
+
+
+def condition(server: FakeApiServer, plural: str, key: str, type_: str) -> dict[str, Any]:
+    return next(c for c in status(server, plural, key)["conditions"] if c["type"] == type_)
+
+
+def lent(server: FakeApiServer) -> list[str]:
+    return sorted(n for n in ("tidal-0", "tidal-1", "tidal-2")
+                  if node(server, n)["metadata"]["labels"].get(LOAN_LABEL) == "lent")
+
+
+def api_server() -> FakeApiServer:
+    # Bookmarks every 50 ms wake idle watches, so that informers stop at once when leadership ends.
+    return FakeApiServer(bookmark_interval_s=0.05)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    with api_server() as fake:
+        populate(fake)
+        yield fake
+
+
+# ------------------------------------------------------------------ the leader applies the policy
+def test_the_leader_runs_the_tidal_policy_through_the_api(server: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT + 22 * HOUR)
+    op = operator(server, clock, "a")
+    try:
+        op.tick()                                  # 22:00, day: chat at its day floor 6 = 2 stable + 4 tidal
+        assert op.leading
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)
+        assert condition(server, "tidalpolicies", "ml/night", "Applied")["reason"] == "Reconciled"
+        assert status(server, "tidalpolicies", "ml/night")["phase"] == "day" and lent(server) == []
+
+        clock.at(23.75)                            # 23:45, lending: night floor 2 (all stable), tidal to 0
+        op.tick()
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 0)
+        # tidal-0 still holds a chat replica (no ReplicaSet controller here removes it): only 1 and 2 are lent.
+        assert lent(server) == ["tidal-1", "tidal-2"]
+        lent_node = node(server, "tidal-1")
+        assert lent_node["metadata"]["labels"][POOL_LABEL] == "training"
+        assert {"key": "gpuplane.io/tidal", "value": "lent", "effect": "NoSchedule"} in lent_node["spec"]["taints"]
+        loan = json.loads(lent_node["metadata"]["annotations"][LOAN_ANNOTATION])
+        assert loan == {"since": MIDNIGHT + 23.75 * HOUR, "window": "night", "home_pool": "inference-tidal"}
+        assert float(lent_node["metadata"]["annotations"][RECLAIM_ANNOTATION]) == MIDNIGHT + 31.5 * HOUR  # 07:30
+        assert status(server, "tidalpolicies", "ml/night") | {"conditions": None} == {
+            "observedGeneration": 1, "nodes": 3, "phase": "lend", "lentNodes": 2, "conditions": None}
+        # the replica to go first is marked with the lowest pod-deletion-cost
+        pod = server.get("pods", "ml/chat-tidal-1")
+        assert pod is not None and pod["metadata"]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] == "0"
+
+        # a training job lands on tidal-1 (what the scheduler would do), then the window closes at 07:30
+        server.add_pod(pod_json("trainer-0", namespace="train", limits={"gpuplane.io/gpu": "8"}, node="tidal-1",
+                                labels={WORKLOAD_LABEL: "trainer"}, phase="Running"))
+        wait_for(functools.partial(sees, op, "train/trainer-0"), "the training pod")
+        clock.at(31.6)                             # 07:36 the next day
+        op.tick()
+        assert lent(server) == [] and server.get("pods", "train/trainer-0") is None  # evicted for reclaim
+        assert node(server, "tidal-1")["metadata"]["labels"][POOL_LABEL] == "inference-tidal"
+        assert LOAN_ANNOTATION not in node(server, "tidal-1")["metadata"]["annotations"]
+        assert server.requests_to(r"/namespaces/train/pods/trainer-0/eviction$", "POST")
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)
+    finally:
+        op.shutdown()
+
+
+def test_the_follower_does_nothing(server: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT + 23.75 * HOUR)
+    leader, follower = operator(server, clock, "a"), operator(server, clock, "b")
+    try:
+        leader.tick()
+        assert leader.leading and lent(server) == ["tidal-1", "tidal-2"]
+        writes = [r for r in server.requests if r[0] != "GET"]
+        for hours in (24, 25, 26):
+            clock.at(hours)
+            follower.tick()
+        assert not follower.leading and follower.cluster is None and not follower.informers
+        assert [r for r in server.requests if r[0] != "GET"] == writes  # the follower wrote nothing
+    finally:
+        leader.shutdown()
+        follower.shutdown()
+
+
+def test_the_follower_takes_over_when_the_leader_shuts_down(server: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT + 23.75 * HOUR)
+    a, b = operator(server, clock, "a"), operator(server, clock, "b")
+    try:
+        a.tick()
+        b.tick()
+        a.shutdown()                               # releases the Lease
+        clock.at(23.8)                             # b's next try, one retry period (60 s) later
+        b.tick()
+        assert b.leading and not a.leading
+        lease = server.get("leases", "gpuplane-system/gpuplane-operator")
+        assert lease is not None and lease["spec"]["holderIdentity"] == "b"
+    finally:
+        b.shutdown()
+
+
+# ------------------------------------------------------------------ invalid resources
+def test_an_invalid_resource_gets_a_condition_naming_the_field_and_is_not_applied(server: FakeApiServer) -> None:
+    server.mutate("tidalpolicies", "ml/night", lambda obj: obj.update(tidal_policy("25:00", generation=2)))
+    server.add_object(f"{CRS}/gpupools", {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool",
+                                          "metadata": {"name": "tidal", "generation": 1},
+                                          "spec": {"models": ["A100-40GB"], "nodeSelector": {SUBSET_LABEL: "tidal"}}})
+    server.add_object(f"{CRS}/gpupools", {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool",
+                                          "metadata": {"name": "bad"},
+                                          "spec": {"models": ["A100-40GB"], "split": 0}})
+    clock = VirtualClock(MIDNIGHT + 23.75 * HOUR)
+    op = operator(server, clock, "a")
+    try:
+        op.tick()
+        valid = condition(server, "tidalpolicies", "ml/night", "Valid")
+        assert (valid["status"], valid["reason"], valid["observedGeneration"]) == ("False", "InvalidSpec", 2)
+        assert valid["message"].startswith("spec.windows[0].shrinkAt: ")
+        assert condition(server, "tidalpolicies", "ml/night", "Applied")["status"] == "False"
+        assert lent(server) == [] and replicas(server, "chat-tidal") == 1  # nothing applied
+        assert not server.requests_to(r"^/api/v1/nodes/", "PATCH")
+        assert not server.requests_to(r"/deployments/.*/scale$", "PATCH")
+        bad = condition(server, "gpupools", "bad", "Valid")
+        assert (bad["status"], bad["observedGeneration"]) == ("False", 1) and bad["message"].startswith("spec.split: ")
+        assert condition(server, "gpupools", "tidal", "Valid")["status"] == "True"
+        assert status(server, "gpupools", "tidal")["nodes"] == 3
+
+        # fixed: the next pass applies it
+        server.mutate("tidalpolicies", "ml/night", lambda obj: obj.update(tidal_policy(generation=3)))
+        wait_for(lambda: any(o["metadata"].get("generation") == 3 for o in op.informers["TidalPolicy"].objects()),
+                 "the fixed policy")
+        op.tick()
+        assert condition(server, "tidalpolicies", "ml/night", "Valid")["status"] == "True"
+        assert status(server, "tidalpolicies", "ml/night")["observedGeneration"] == 3
+        assert lent(server) == ["tidal-1", "tidal-2"]
+    finally:
+        op.shutdown()
+
+
+def test_an_unchanged_status_is_not_rewritten(server: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT + 12 * HOUR)
+    op = operator(server, clock, "a")
+    try:
+        op.tick()
+        wait_for(lambda: all(o.get("status") for o in op.informers["TidalPolicy"].objects()), "the status")
+        writes = len(server.requests_to(r"/tidalpolicies/night/status$", "PATCH"))
+        clock.at(12.5)
+        op.tick()
+        assert len(server.requests_to(r"/tidalpolicies/night/status$", "PATCH")) == writes == 1
+    finally:
+        op.shutdown()
+
+
+# ------------------------------------------------------------------ restart
+STEPS = (22.0, 23.75, 24.5, 27.0, 31.6)  # day, lending, night, night, reclaimed the next morning
+TRAINING_AT = 24.0
+
+
+def decisions(server: FakeApiServer, since: int) -> list[tuple[str, str, Any]]:
+    """The writes after request `since`, leaving out the Lease and status writes (bookkeeping, not decisions)."""
+    return [r for r in server.requests[since:]
+            if r[0] != "GET" and "/leases" not in r[1] and not r[1].endswith("/status")]
+
+
+def world(server: FakeApiServer) -> dict[str, Any]:
+    """What the controllers decided, as the API holds it."""
+    def strip(obj: dict[str, Any] | None) -> Any:
+        assert obj is not None
+        meta = obj["metadata"]
+        return {"labels": meta.get("labels"), "annotations": meta.get("annotations"),
+                "taints": obj["spec"].get("taints"), "replicas": obj["spec"].get("replicas")}
+    return {"nodes": {n: strip(server.get("nodes", n)) for n in server.keys("nodes")},
+            "pods": {p: strip(server.get("pods", p)) for p in server.keys("pods")},
+            "deployments": {d: strip(server.get("deployments", d)) for d in server.keys("deployments")},
+            "status": {k: v for k, v in status(server, "tidalpolicies", "ml/night").items()}}
+
+
+def run_steps(server: FakeApiServer, clock: VirtualClock, restart_after: float | None
+              ) -> list[tuple[list[tuple[str, str, Any]], dict[str, Any]]]:
+    """Tick at each of STEPS; with `restart_after`, the operator shuts down after that step and a new instance
+    (another replica) carries on. Returns, per step, the writes it made and the world after it."""
+    op = operator(server, clock, "a")
+    out = []
+    try:
+        for hours in STEPS:
+            clock.at(hours)
+            if hours > TRAINING_AT and server.get("pods", "train/trainer-0") is None and hours < 31:
+                server.add_pod(pod_json("trainer-0", namespace="train", limits={"gpuplane.io/gpu": "8"},
+                                        node="tidal-1", labels={WORKLOAD_LABEL: "trainer"}, phase="Running"))
+                wait_for(functools.partial(sees, op, "train/trainer-0"), "the training pod")
+            since = len(server.requests)
+            op.tick()
+            out.append((decisions(server, since), world(server)))
+            if hours == restart_after:
+                op.shutdown()
+                op = operator(server, clock, "b")   # a fresh process: nothing in memory
+    finally:
+        op.shutdown()
+    return out
+
+
+def test_a_new_operator_rebuilds_its_state_from_the_api_and_decides_the_same() -> None:
+    with api_server() as first, api_server() as second:
+        populate(first)
+        populate(second)
+        straight = run_steps(first, VirtualClock(MIDNIGHT), restart_after=None)
+        restarted = run_steps(second, VirtualClock(MIDNIGHT), restart_after=23.75)
+    assert [len(d) for d, _ in straight] == [len(d) for d, _ in restarted]
+    for step, ((writes_a, world_a), (writes_b, world_b)) in enumerate(zip(straight, restarted, strict=True)):
+        assert writes_a == writes_b, f"step {STEPS[step]} h"
+        assert world_a == world_b, f"step {STEPS[step]} h"
+    # and the run did make decisions: lent two nodes at 23:45, evicted the trainer and returned them at 07:36
+    assert straight[1][1]["status"]["lentNodes"] == 2 and restarted[2][1]["status"]["lentNodes"] == 2
+    assert any(path.endswith("/trainer-0/eviction") for _, path, _ in restarted[-1][0])
+    assert restarted[-1][1]["status"]["lentNodes"] == 0 and "train/trainer-0" not in restarted[-1][1]["pods"]
+
+
+# ------------------------------------------------------------------ running it
+def test_run_operator_leads_until_stopped_and_releases(server: FakeApiServer) -> None:
+    config = LeaseConfig("gpuplane-system", "gpuplane-operator", "pod-a", 15, 10, 0.05)
+    stop = threading.Event()
+    api = RestKubeApi.from_url(server.url, request_timeout_s=10)
+    thread = threading.Thread(target=run_operator, args=(api, config, stop), kwargs={"clock": WallClock()})
+    thread.start()
+    try:
+        wait_for(lambda: bool(server.requests_to(r"/tidalpolicies/night/status$", "PATCH")), "a status write")
+    finally:
+        stop.set()
+        thread.join(20)
+    assert not thread.is_alive()
+    lease = server.get("leases", "gpuplane-system/gpuplane-operator")
+    assert lease is not None and lease["spec"]["holderIdentity"] == ""   # released on the way out
+
+
+def test_health_server_answers() -> None:
+    import urllib.request
+
+    health = HealthServer(0, "127.0.0.1").start()
+    try:
+        port = health.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as answer:
+            assert answer.status == 200
+    finally:
+        health.stop()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["operator", "--lease-duration", "5", "--renew-deadline", "10"], "lease_duration_s 5.0 must be above"),
+    (["operator", "--kubeconfig", "/nonexistent/kubeconfig"], "--kubeconfig /nonexistent/kubeconfig"),
+    (["webhook", "--cert", "/nonexistent.crt"], "--cert and --key go together"),
+    (["webhook", "--cert", "/nonexistent.crt", "--key", "/nonexistent.key"], "--cert /nonexistent.crt: no such file"),
+])
+def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None:
+    app = Typer()
+    register(app)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output
