@@ -523,6 +523,31 @@ def bench_classify(
     _print_figures(f"gpuplane bench classify ({lines:,} lines, median of {repeats})", figures, as_json)
 
 
+@bench_app.command("extender")
+def bench_extender(
+    rate: Annotated[float, typer.Option(help="filter+prioritize pairs per second (open loop)")] = 200.0,
+    duration: Annotated[float, typer.Option(help="seconds of load")] = 60.0,
+    nodes: Annotated[int, typer.Option(help="GPU nodes in the simulated world and in every request body")] = 1000,
+    connections: Annotated[int, typer.Option(help="keep-alive connections of the load generator")] = 32,
+    policy: Annotated[str, typer.Option(help="node policy the extender scores with")] = "binpack",
+    p99_ms: Annotated[float, typer.Option(help="target p99 latency per verb (ms); exit 1 when missed")] = 50.0,
+    seed: SeedOpt = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Scheduler extender on loopback: kube-scheduler's JSON with 1,000-node bodies from a second process."""
+    from gpuplane.cli.extender_cmd import format_load, run_load
+
+    if not rate > 0 or not duration > 0 or nodes < 1 or connections < 1:
+        _fail("--rate and --duration must be above 0, --nodes and --connections at least 1")
+    if not as_json:
+        err.print(f"{rate:g} pairs/s for {duration:g} s against {nodes:,} nodes …")
+    result = run_load(rate=rate, duration_s=duration, nodes=nodes, connections=connections, seed=seed,
+                      node_policy=policy)
+    out.print_json(data=result.to_json()) if as_json else out.print(format_load(result))
+    if not result.ok(p99_ms=p99_ms):
+        raise typer.Exit(1)
+
+
 @app.command("classify")
 def classify(
     files: Annotated[list[Path], typer.Argument(help="log files (plain or .gz), one node's each")],
@@ -768,6 +793,18 @@ def scaler(
 def _fail(message: str) -> NoReturn:
     err.print(f"[red]error:[/] {message}")
     raise typer.Exit(2)
+
+
+def _register_kube_commands() -> None:
+    """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
+    from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd
+
+    device_plugin_cmd.register(app)
+    extender_cmd.register(app)
+    operator_cmd.register(app)
+
+
+_register_kube_commands()
 
 
 def main() -> None:

@@ -1,0 +1,859 @@
+"""The deploy manifests (`deploy/`): Kubernetes schemas, least-privilege RBAC, real commands and flags,
+pinned images, probes and resources, and the cross-references between the pieces.
+
+No API server is involved: objects are validated against the Kubernetes 1.34 JSON schemas
+(kubernetes-validate, strict: unknown fields are errors), the scheduler's component config against the
+keys kube-scheduler reads, the webhook's matchConditions with a CEL interpreter, container command lines
+by parsing them with gpuplane's own CLI.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import typer.main
+import yaml
+from typer.testing import CliRunner
+
+from gpuplane.cli.main import app
+from gpuplane.controllers.recovery import QUARANTINE_TAINT
+from gpuplane.controllers.tidal import LOAN_TAINT
+from gpuplane.kube.objects import MANAGED_RESOURCES, RES_GPU, SCHEDULER_ANNOTATIONS, SCHEDULER_NAME
+from gpuplane.model import Taint
+from gpuplane.model.priority import default_priority_classes
+from gpuplane.node.guard import load_guard_config
+from gpuplane.scaler.service import load_scaler_config
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+K8S_VERSION = "1.34"
+NAMESPACE = "gpuplane-system"
+IMAGE = "ghcr.io/gpuplane/gpuplane:0.1.0"
+SCHEDULER_CONFIG = DEPLOY / "scheduler" / "kube-scheduler-config.yaml"
+NOT_API_OBJECTS = {"kustomization.yaml", "kube-scheduler-config.yaml"}
+
+Doc = dict[str, Any]
+
+
+def _yaml_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def _load(path: Path) -> list[Doc]:
+    with path.open(encoding="utf-8") as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def _objects() -> list[tuple[Path, Doc]]:
+    """Every Kubernetes object under deploy/ (CRDs included), with its file."""
+    return [(p, d) for p in _yaml_files() if p.name not in NOT_API_OBJECTS for d in _load(p)]
+
+
+OBJECTS = _objects()
+
+
+def _id(path: Path, doc: Doc) -> str:
+    return f"{path.relative_to(DEPLOY)}:{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+
+
+def _of_kind(*kinds: str) -> list[Doc]:
+    return [d for _, d in OBJECTS if d.get("kind") in kinds]
+
+
+def _one(kind: str, name: str) -> Doc:
+    found = [d for d in _of_kind(kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _workloads() -> list[Doc]:
+    return _of_kind("Deployment", "DaemonSet", "StatefulSet")
+
+
+def _containers(workload: Doc) -> list[Doc]:
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def _gpuplane_containers() -> Iterator[tuple[Doc, Doc]]:
+    for w in _workloads():
+        for c in _containers(w):
+            if c["image"].startswith("ghcr.io/gpuplane/"):
+                yield w, c
+
+
+def _cel_literals(expression: str) -> list[str]:
+    return re.findall(r"'([^']*)'", expression)
+
+
+# ------------------------------------------------------------------ schemas
+@pytest.mark.parametrize(("path", "doc"), OBJECTS, ids=[_id(p, d) for p, d in OBJECTS])
+def test_every_object_validates_against_the_kubernetes_schema(path: Path, doc: Doc) -> None:
+    assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+def test_the_schema_check_rejects_an_unknown_field_and_a_wrong_type() -> None:
+    # The check above must be able to fail: strict schemas refuse a misspelt field and a string port.
+    service = _one("Service", "gpuplane-webhook")
+    typo = {**service, "spec": {**service["spec"], "selectr": {"a": "b"}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(typo, K8S_VERSION, strict=True)
+    bad_port = {**service, "spec": {**service["spec"], "ports": [{"port": "443"}]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad_port, K8S_VERSION, strict=True)
+
+
+def _crds() -> list[Doc]:
+    return _of_kind("CustomResourceDefinition")
+
+
+# ------------------------------------------------------------------ the scheduler's component config
+# KubeSchedulerConfiguration (kubescheduler.config.k8s.io/v1) is not an API object, so no schema above
+# covers it; these are the keys kube-scheduler v1.34 decodes (strictly: an unknown key fails its start).
+SCHEDULER_CONFIG_KEYS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
+                         "enableProfiling", "enableContentionProfiling", "percentageOfNodesToScore",
+                         "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders",
+                         "delayCacheUntilActive"}
+LEADER_ELECTION_KEYS = {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock",
+                        "resourceName", "resourceNamespace"}
+# protocols.md §1.1
+EXTENDER_KEYS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb",
+                 "enableHTTPS", "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
+
+
+def _scheduler_config() -> Doc:
+    if not SCHEDULER_CONFIG.exists():
+        pytest.skip(f"{SCHEDULER_CONFIG.relative_to(DEPLOY.parent)} not written yet (helper 'extender')")
+    docs = _load(SCHEDULER_CONFIG)
+    assert len(docs) == 1
+    return docs[0]
+
+
+def _embedded_scheduler_config() -> str:
+    data: str = _one("ConfigMap", "gpuplane-scheduler-config")["data"]["kube-scheduler-config.yaml"]
+    return data
+
+
+def _check_scheduler_config(config: Doc) -> None:
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert set(config) <= SCHEDULER_CONFIG_KEYS, set(config) - SCHEDULER_CONFIG_KEYS
+    election = config["leaderElection"]
+    assert set(election) <= LEADER_ELECTION_KEYS, set(election) - LEADER_ELECTION_KEYS
+    assert election["leaderElect"] is True
+    assert election.get("resourceLock", "leases") == "leases"  # v1's default
+    assert election["resourceName"]
+    assert [p["schedulerName"] for p in config["profiles"]] == [SCHEDULER_NAME]
+    extenders = config["extenders"]
+    assert len(extenders) == 1
+    ext = extenders[0]
+    assert set(ext) <= EXTENDER_KEYS, set(ext) - EXTENDER_KEYS
+    assert isinstance(ext["urlPrefix"], str) and ext["urlPrefix"]
+    if ext.get("prioritizeVerb"):
+        assert isinstance(ext.get("weight"), int) and ext["weight"] > 0, "v1 has no default weight: write it"
+    assert sum(1 for e in extenders if e.get("bindVerb")) <= 1, "only one extender can implement bind"
+    assert isinstance(ext.get("nodeCacheCapable", False), bool)
+    assert isinstance(ext.get("ignorable", False), bool)
+    if "httpTimeout" in ext:
+        assert DURATION.match(str(ext["httpTimeout"])), ext["httpTimeout"]
+    managed = {m["name"]: m.get("ignoredByScheduler", False) for m in ext["managedResources"]}
+    assert len(managed) == len(ext["managedResources"]), "managed resource names must be unique"
+    assert set(managed) == set(MANAGED_RESOURCES)
+    # gpuplane.io/gpu is advertised by the device plugin, so NodeResourcesFit may count it; the others
+    # exist on no node and must be ignored by the scheduler or no pod asking for them would ever fit.
+    assert managed == {name: name != RES_GPU for name in MANAGED_RESOURCES}
+
+
+def test_scheduler_config_is_a_valid_component_config() -> None:
+    _check_scheduler_config(_scheduler_config())
+
+
+def test_the_embedded_scheduler_config_is_a_valid_component_config() -> None:
+    _check_scheduler_config(yaml.safe_load(_embedded_scheduler_config()))
+
+
+def test_the_configmap_embeds_the_scheduler_config_unchanged() -> None:
+    sample = _scheduler_config()
+    text = SCHEDULER_CONFIG.read_text(encoding="utf-8")
+    assert yaml.safe_load(_embedded_scheduler_config()) == sample
+    # Byte for byte too (comments included), so the sample and what runs cannot drift apart.
+    assert _embedded_scheduler_config() == text, (
+        "deploy/scheduler/configmap.yaml is stale: paste kube-scheduler-config.yaml into its data, indented 4")
+
+
+def test_the_scheduler_calls_its_own_sidecar_with_the_sidecars_port_and_prefix() -> None:
+    config = yaml.safe_load(_embedded_scheduler_config())
+    deployment = _one("Deployment", "gpuplane-scheduler")
+    by_name = {c["name"]: c for c in _containers(deployment)}
+    args = by_name["extender"]["args"]
+    port, prefix = args[args.index("--port") + 1], args[args.index("--prefix") + 1]
+    assert config["extenders"][0]["urlPrefix"] == f"http://127.0.0.1:{port}{prefix}"
+    assert by_name["kube-scheduler"]["command"][1] == "--config=/etc/gpuplane/kube-scheduler-config.yaml"
+    mounts = {m["name"]: m["mountPath"] for m in by_name["kube-scheduler"]["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["config"] == "/etc/gpuplane"
+    assert volumes["config"]["configMap"]["name"] == "gpuplane-scheduler-config"
+
+
+# ------------------------------------------------------------------ RBAC
+# What each component's code calls, as (verb, apiGroup, resource, scope, resourceName); scope is
+# "cluster" or a namespace. Write verbs are exactly the calls the code makes; a resource the component reads
+# gets get/list/watch (or get alone) as a set. The tests assert the manifests grant exactly this table.
+Grant = tuple[str, str, str, str, str | None]
+_POD_CACHE: set[Grant] = {(v, "", r, "cluster", None) for v in ("get", "list", "watch") for r in ("pods", "nodes")}
+
+
+def _lease(namespace: str, name: str, *, create: bool = True) -> set[Grant]:
+    # client-go and gpuplane.kube.lease: read, create once, then update (renew) one Lease.
+    return {*({("create", "coordination.k8s.io", "leases", namespace, None)} if create else set()),
+            ("get", "coordination.k8s.io", "leases", namespace, name),
+            ("update", "coordination.k8s.io", "leases", namespace, name)}
+
+
+def _scheduler_lease() -> tuple[str, str]:
+    election = yaml.safe_load(_embedded_scheduler_config())["leaderElection"]
+    return election.get("resourceNamespace", "kube-system"), election["resourceName"]
+
+
+def _crd_resources() -> tuple[set[str], set[str]]:
+    """(plurals, plurals with a status subresource) of the CRDs under deploy/crds."""
+    plurals = {c["spec"]["names"]["plural"] for c in _crds() if c["spec"]["group"] == "gpuplane.io"}
+    with_status = {c["spec"]["names"]["plural"] for c in _crds() if c["spec"]["group"] == "gpuplane.io"
+                   and any("status" in v.get("subresources", {}) for v in c["spec"]["versions"])}
+    return plurals, with_status
+
+
+OPERATOR_CRS = {"gpupools", "tidalpolicies", "colocationpolicies"}
+"""The operator's custom resources (deploy/crds, helper 'operator'); checked against the CRDs when present."""
+
+REQUIRED: dict[str, set[Grant]] = {
+    # The extender (KubeCluster): informer cache (list+watch), the assignment annotations patched on the pod
+    # before the bind, the bind itself (POST pods/<p>/binding), card-level preemption (POST pods/<p>/eviction).
+    # kube-scheduler's leader election on the Lease its config names: get/update by name here, `create` comes
+    # with system:kube-scheduler, as does pods/status (KubeCluster.fail_pod, for a gang that timed out).
+    "gpuplane-scheduler": _POD_CACHE | {
+        ("patch", "", "pods", "cluster", None),
+        ("create", "", "pods/binding", "cluster", None),
+        ("create", "", "pods/eviction", "cluster", None),
+    } | _lease(*_scheduler_lease(), create=False),
+    # gpuplane.kube.operator: its policies (informers) and their status (PATCH .../status); the tidal controller
+    # through KubeCluster: node patches (loan labels, taints), pod-deletion-cost patches before a scale-down,
+    # evictions, PATCH deployments/<d>/scale. Its Lease (gpuplane.kube.lease: GET, POST, PUT).
+    "gpuplane-operator": _POD_CACHE | {
+        ("patch", "", "nodes", "cluster", None),
+        ("patch", "", "pods", "cluster", None),
+        ("create", "", "pods/eviction", "cluster", None),
+        ("get", "apps", "deployments/scale", "cluster", None),
+        ("patch", "apps", "deployments/scale", "cluster", None),
+        *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch") for r in OPERATOR_CRS},
+        *{("patch", "gpuplane.io", f"{r}/status", "cluster", None) for r in OPERATOR_CRS},
+    } | _lease(NAMESPACE, "gpuplane-operator"),
+    # The device plugin: its node's pods (fieldSelector at run time), their bind phase, its node's inventory.
+    "gpuplane-node-agent": {
+        *{(v, "", "pods", "cluster", None) for v in ("get", "list", "watch", "patch")},
+        ("get", "", "nodes", "cluster", None),
+        ("patch", "", "nodes", "cluster", None),
+    },
+    "gpuplane-webhook": set(),
+    "gpuplane-scaler": set(),
+}
+# Built-in roles bound on top (documented in deploy/scheduler/rbac.yaml): what any kube-scheduler needs.
+BUILTIN_ROLES: dict[str, set[tuple[str, str, str]]] = {
+    "gpuplane-scheduler": {("ClusterRole", "system:kube-scheduler", "cluster"),
+                           ("ClusterRole", "system:volume-scheduler", "cluster"),
+                           ("Role", "extension-apiserver-authentication-reader", "kube-system")},
+}
+NO_API = {"gpuplane-webhook", "gpuplane-scaler"}
+
+
+def _rbac() -> tuple[dict[str, set[Grant]], dict[str, set[tuple[str, str, str]]]]:
+    """Per ServiceAccount: the grants of roles defined under deploy/, and the roles bound that are not."""
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in _of_kind("ClusterRole", "Role")}
+    grants: dict[str, set[Grant]] = {}
+    builtin: dict[str, set[tuple[str, str, str]]] = {}
+    for binding in _of_kind("ClusterRoleBinding", "RoleBinding"):
+        ref = binding["roleRef"]
+        binding_ns = binding["metadata"].get("namespace")
+        scope = "cluster" if binding["kind"] == "ClusterRoleBinding" else binding_ns
+        role_ns = binding_ns if ref["kind"] == "Role" else None
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", _id(DEPLOY, binding)
+            assert subject["namespace"] == NAMESPACE, _id(DEPLOY, binding)
+            sa = subject["name"]
+            role = roles.get((ref["kind"], role_ns, ref["name"]))
+            if role is None:
+                builtin.setdefault(sa, set()).add((ref["kind"], ref["name"], scope))
+                continue
+            for rule in role.get("rules", []):
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            for name in rule.get("resourceNames") or [None]:
+                                grants.setdefault(sa, set()).add((verb, group, resource, scope, name))
+    return grants, builtin
+
+
+def test_rbac_grants_exactly_what_the_code_uses() -> None:
+    grants, _ = _rbac()
+    for sa, required in REQUIRED.items():
+        got = grants.get(sa, set())
+        assert required - got == set(), f"{sa} lacks {sorted(required - got, key=str)}"
+        assert got - required == set(), f"{sa} has more than it uses: {sorted(got - required, key=str)}"
+    assert set(grants) <= set(REQUIRED), f"bindings for unknown accounts: {set(grants) - set(REQUIRED)}"
+
+
+def test_only_the_documented_built_in_roles_are_bound() -> None:
+    _, builtin = _rbac()
+    assert builtin == BUILTIN_ROLES
+
+
+def test_rbac_has_no_wildcards_and_no_secrets() -> None:
+    for role in _of_kind("ClusterRole", "Role"):
+        assert "aggregationRule" not in role
+        for rule in role["rules"]:
+            for key in ("verbs", "resources", "apiGroups", "resourceNames", "nonResourceURLs"):
+                assert not any("*" in v for v in rule.get(key, [])), f"{role['metadata']['name']}: {key} {rule}"
+            assert "secrets" not in rule["resources"]
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+
+
+def test_the_operators_resources_are_the_crds_under_deploy() -> None:
+    plurals, with_status = _crd_resources()
+    if not plurals:
+        pytest.skip("deploy/crds has no gpuplane.io CRDs yet (helper 'operator')")
+    assert plurals == OPERATOR_CRS
+    assert with_status == OPERATOR_CRS, "the operator updates every resource's status subresource"
+    webhook = _one("ValidatingWebhookConfiguration", "gpuplane-webhook")
+    [cr_hook] = [w for w in webhook["webhooks"] if any("gpuplane.io" in r["apiGroups"] for r in w["rules"])]
+    [rule] = cr_hook["rules"]
+    assert set(rule["resources"]) == plurals
+    served = {v["name"] for c in _crds() for v in c["spec"]["versions"] if v.get("served", True)}
+    assert set(rule["apiVersions"]) == served
+
+
+def test_lease_names_match_what_the_components_are_told() -> None:
+    grants, _ = _rbac()
+    namespace, name = _scheduler_lease()
+    assert ("update", "coordination.k8s.io", "leases", namespace, name) in grants["gpuplane-scheduler"]
+    operator = _one("Deployment", "gpuplane-operator")
+    args = _containers(operator)[0]["args"]
+    assert args[args.index("--namespace") + 1] == NAMESPACE
+    lease = args[args.index("--lease-name") + 1]
+    assert ("update", "coordination.k8s.io", "leases", NAMESPACE, lease) in grants["gpuplane-operator"]
+
+
+# Subresource calls as the code spells them (`pod_path(ns, name, "binding")`, f"{path}/scale") → the grant
+# they need. A module under src/gpuplane/kube or src/gpuplane/node that makes such a call runs as a component
+# that must hold the grant.
+SUBRESOURCE_CALLS = {'"binding")': ("create", "pods/binding"), '"eviction")': ("create", "pods/eviction"),
+                     '/scale"': ("patch", "deployments/scale")}
+
+
+def test_every_subresource_the_code_calls_is_granted_to_some_component() -> None:
+    grants, _ = _rbac()
+    held = {(verb, resource) for g in grants.values() for verb, _, resource, _, _ in g}
+    src = DEPLOY.parent / "src" / "gpuplane"
+    sources = [f.read_text(encoding="utf-8") for d in ("kube", "node") for f in (src / d).rglob("*.py")]
+    used = {call for call in SUBRESOURCE_CALLS if any(call in text for text in sources)}
+    assert used, "no subresource call found: the patterns no longer match the code"
+    for call in used:
+        assert SUBRESOURCE_CALLS[call] in held, f"the code calls {call} but no component may"
+
+
+def test_service_accounts_match_between_workloads_and_bindings() -> None:
+    accounts = {d["metadata"]["name"]: d for d in _of_kind("ServiceAccount")}
+    assert all(d["metadata"]["namespace"] == NAMESPACE for d in accounts.values())
+    used = set()
+    for w in _workloads():
+        spec = w["spec"]["template"]["spec"]
+        sa = spec["serviceAccountName"]
+        used.add(sa)
+        assert sa in accounts, f"{w['metadata']['name']}: ServiceAccount {sa} is not defined"
+        assert sa in REQUIRED, f"{sa}: not in the RBAC table"
+        if sa in NO_API:
+            # No API use: no token in the pod at all.
+            assert spec.get("automountServiceAccountToken") is False, sa
+            assert accounts[sa].get("automountServiceAccountToken") is False, sa
+    assert used == set(accounts) == set(REQUIRED)
+    for binding in _of_kind("ClusterRoleBinding", "RoleBinding"):
+        for subject in binding["subjects"]:
+            assert subject["name"] in accounts, binding["metadata"]["name"]
+
+
+# ------------------------------------------------------------------ commands, images, containers
+_runner = CliRunner()
+_CLI = typer.main.get_command(app)
+_COMMANDS = [(w["metadata"]["name"], c) for w, c in _gpuplane_containers()]
+
+
+@pytest.mark.parametrize(("workload", "container"), _COMMANDS, ids=[f"{w}/{c['name']}" for w, c in _COMMANDS])
+def test_every_container_runs_a_real_gpuplane_command_with_real_flags(workload: str, container: Doc) -> None:
+    assert container.get("command") == ["gpuplane"], f"{workload}/{container['name']}: command"
+    subcommand, *flags = container["args"]
+    commands = getattr(_CLI, "commands", {})
+    if subcommand not in commands:
+        # The lead wires each helper's command into main.py as it lands; un-skipped at the end.
+        pytest.skip(f"`gpuplane {subcommand}` is not wired into gpuplane.cli.main yet")
+    result = _runner.invoke(app, [subcommand, "--help"])
+    assert result.exit_code == 0, result.output
+    # Parse the container's arguments exactly as the CLI will: unknown flags, missing required options
+    # and values of the wrong type fail here, not in the cluster.
+    commands[subcommand].make_context(f"gpuplane {subcommand}", list(flags))
+    for flag in (f for f in flags if f.startswith("--")):
+        assert flag in result.output, f"{flag} is not in `gpuplane {subcommand} --help`"
+
+
+def test_the_command_check_catches_a_misspelt_flag() -> None:
+    with pytest.raises(Exception, match="No such option"):
+        _CLI.commands["scaler"].make_context("gpuplane scaler", ["--config", "x.yaml", "--prot", "1"])  # type: ignore[attr-defined]
+
+
+def _all_containers() -> list[tuple[str, Doc]]:
+    return [(w["metadata"]["name"], c) for w in _workloads() for c in _containers(w)]
+
+
+def test_images_are_pinned() -> None:
+    for workload, c in _all_containers():
+        image = c["image"]
+        name, _, tag = image.rpartition(":")
+        assert "@sha256:" in image or (name and tag and "/" not in tag), f"{workload}/{c['name']}: {image} untagged"
+        assert tag != "latest", f"{workload}/{c['name']}: {image}"
+        assert c.get("imagePullPolicy") == "IfNotPresent"
+        if image.startswith("ghcr.io/gpuplane/"):
+            assert image == IMAGE
+
+
+def _ports(c: Doc) -> set[int | str]:
+    return {p for port in c.get("ports", []) for p in (port["containerPort"], port.get("name"))} - {None}
+
+
+def test_every_container_has_requests_a_memory_limit_and_probes() -> None:
+    for workload, c in _all_containers():
+        where = f"{workload}/{c['name']}"
+        resources = c.get("resources", {})
+        assert {"cpu", "memory"} <= set(resources.get("requests", {})), where
+        assert "memory" in resources.get("limits", {}), where
+        for probe_kind in ("livenessProbe", "readinessProbe"):
+            probe = c.get(probe_kind)
+            assert probe, f"{where}: no {probe_kind}"
+            for handler in ("httpGet", "tcpSocket", "grpc"):
+                if handler in probe:
+                    assert probe[handler]["port"] in _ports(c), f"{where}: {probe_kind} port is not a container port"
+
+
+# Containers that run as root, and why (the comments in the manifests say it in full).
+ROOT = {("gpuplane-node-agent", "device-plugin"): "the kubelet's device-plugin socket directory is root's",
+        ("gpuplane-node-agent", "node-guard"): "CAP_KILL is effective only for UID 0 in Kubernetes"}
+CAPABILITIES = {("gpuplane-node-agent", "node-guard"): ["KILL"]}
+
+
+def test_security_contexts_give_the_least_each_container_needs() -> None:
+    for w in _workloads():
+        pod_sc = w["spec"]["template"]["spec"].get("securityContext", {})
+        for c in _containers(w):
+            key = (w["metadata"]["name"], c["name"])
+            sc = {**pod_sc, **c.get("securityContext", {})}
+            assert sc.get("allowPrivilegeEscalation") is False, key
+            assert sc.get("readOnlyRootFilesystem") is True, key
+            assert not sc.get("privileged", False), key
+            assert sc["capabilities"]["drop"] == ["ALL"], key
+            assert sc["capabilities"].get("add", []) == CAPABILITIES.get(key, []), key
+            if key in ROOT:
+                assert sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False, key
+            else:
+                assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, key
+    host_pid = {w["metadata"]["name"] for w in _workloads() if w["spec"]["template"]["spec"].get("hostPID")}
+    assert host_pid == {"gpuplane-node-agent"}  # the guard's, and only there
+
+
+def _tolerates(tolerations: list[Doc], taint: Taint) -> bool:
+    for t in tolerations:
+        key_ok = t.get("key") in (None, taint.key) if t.get("operator") == "Exists" else t.get("key") == taint.key
+        value_ok = t.get("operator") == "Exists" or t.get("value") == taint.value
+        if key_ok and value_ok and t.get("effect") in (None, taint.effect):
+            return True
+    return False
+
+
+def test_the_node_agent_runs_on_every_gpu_node_whatever_gpuplane_taints_it_with() -> None:
+    ds = _one("DaemonSet", "gpuplane-node-agent")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpuplane.io/gpu-node": "true"}
+    assert spec["priorityClassName"] == "system-node-critical"
+    for taint in (QUARANTINE_TAINT, LOAN_TAINT, Taint("nvidia.com/gpu", "present", "NoSchedule")):
+        assert _tolerates(spec["tolerations"], taint), taint
+    assert not _tolerates([{"key": "gpuplane.io/health", "operator": "Equal", "value": "ok"}], QUARANTINE_TAINT)
+
+
+def test_the_device_plugin_gets_the_kubelet_directory_and_its_node_name() -> None:
+    ds = _one("DaemonSet", "gpuplane-node-agent")
+    spec = ds["spec"]["template"]["spec"]
+    plugin = next(c for c in spec["containers"] if c["name"] == "device-plugin")
+    directory = plugin["args"][plugin["args"].index("--dir") + 1]
+    assert directory == "/var/lib/kubelet/device-plugins"  # protocols.md §2.1 DevicePluginPath
+    [mount] = [m for m in plugin["volumeMounts"] if m["mountPath"] == directory]
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"] == directory
+    assert not mount.get("readOnly", False)  # it creates its socket there
+    env = {e["name"]: e for e in plugin["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_the_device_plugin_sees_the_host_directories_it_hands_to_containers() -> None:
+    allocation = pytest.importorskip("gpuplane.node.allocation")
+    ds = _one("DaemonSet", "gpuplane-node-agent")
+    spec = ds["spec"]["template"]["spec"]
+    plugin = next(c for c in spec["containers"] if c["name"] == "device-plugin")
+    assert "--vgpu-dir" not in plugin["args"] and "--mps" not in plugin["args"]  # the defaults below apply
+    settings = allocation.AllocationSettings()
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in plugin["volumeMounts"] if not m.get("readOnly")}
+    # Allocate creates these on the host, then the kubelet mounts them into the container: same path both sides.
+    for path in (settings.vgpu_dir, settings.lock_dir):
+        assert mounted[path]["hostPath"]["path"] == path, path
+
+
+def _exec_probe(workload: str, container: str, kind: str) -> list[str]:
+    w = next(x for x in _workloads() if x["metadata"]["name"] == workload)
+    c = next(x for x in _containers(w) if x["name"] == container)
+    command: list[str] = c[kind]["exec"]["command"]
+    return command
+
+
+def _run_probe(command: list[str], old: str, new: str) -> int:
+    """Run an exec probe here, with `old` (a path or address valid in the pod) replaced by `new`."""
+    args = [sys.executable if a == "python3" else a.replace(old, new) for a in command]
+    return subprocess.run(args, capture_output=True, timeout=30).returncode
+
+
+@pytest.mark.parametrize("kind", ["livenessProbe", "readinessProbe"])
+def test_the_device_plugin_probe_passes_exactly_while_its_socket_exists(kind: str, tmp_path: Path) -> None:
+    device_plugin = pytest.importorskip("gpuplane.node.device_plugin")
+    ds = _one("DaemonSet", "gpuplane-node-agent")
+    plugin = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "device-plugin")
+    socket_path = f"{plugin['args'][plugin['args'].index('--dir') + 1]}/{device_plugin.ENDPOINT}"
+    command = _exec_probe("gpuplane-node-agent", "device-plugin", kind)
+    assert any(socket_path in a for a in command)
+    here = tmp_path / device_plugin.ENDPOINT
+    assert _run_probe(command, socket_path, str(here)) != 0  # no socket yet (or the kubelet deleted it)
+    here.write_text("", encoding="utf-8")
+    assert _run_probe(command, socket_path, str(here)) != 0  # a plain file is not a served socket
+    here.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(here))
+        assert _run_probe(command, socket_path, str(here)) == 0
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status if self.path == "/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["livenessProbe", "readinessProbe"])
+def test_the_extender_probe_asks_the_extenders_healthz_on_loopback(kind: str) -> None:
+    deployment = _one("Deployment", "gpuplane-scheduler")
+    extender = next(c for c in _containers(deployment) if c["name"] == "extender")
+    assert "--host" not in extender["args"]  # the default, 127.0.0.1: only this pod's kube-scheduler calls it
+    address = f"127.0.0.1:{extender['args'][extender['args'].index('--port') + 1]}"
+    command = _exec_probe("gpuplane-scheduler", "extender", kind)
+    assert any(f"http://{address}/healthz" in a for a in command)
+    for status, passes in ((200, True), (500, False)):
+        handler = type("Handler", (_Health,), {"status": status})
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            try:
+                rc = _run_probe(command, address, f"127.0.0.1:{server.server_address[1]}")
+            finally:
+                server.shutdown()
+                thread.join()
+        assert (rc == 0) is passes, status
+    with socket.socket() as sock:  # a port nothing listens on: the extender is down
+        sock.bind(("127.0.0.1", 0))
+        assert _run_probe(command, address, f"127.0.0.1:{sock.getsockname()[1]}") != 0
+
+
+def test_the_guard_and_scaler_configmaps_load_with_their_commands_own_loaders(tmp_path: Path) -> None:
+    guard = tmp_path / "guard.yaml"
+    guard.write_text(_one("ConfigMap", "gpuplane-node-guard")["data"]["guard.yaml"], encoding="utf-8")
+    config = load_guard_config(guard)
+    # As shipped the guard only watches: it signals offline containers only, and lists none.
+    assert all(c.qos == "online" for c in config.containers)
+    scaler = tmp_path / "scaler.yaml"
+    scaler.write_text(_one("ConfigMap", "gpuplane-scaler")["data"]["scaler.yaml"], encoding="utf-8")
+    assert load_scaler_config(scaler).scaled_objects
+    # And the paths the commands are given are where the ConfigMaps are mounted.
+    for workload, container, cm, key in (("gpuplane-node-agent", "node-guard", "gpuplane-node-guard", "guard.yaml"),
+                                         ("gpuplane-scaler", "scaler", "gpuplane-scaler", "scaler.yaml")):
+        w = next(x for x in _workloads() if x["metadata"]["name"] == workload)
+        c = next(x for x in _containers(w) if x["name"] == container)
+        path = c["args"][c["args"].index("--config") + 1]
+        volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        mounted = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+        assert mounted[str(Path(path).parent)]["configMap"]["name"] == cm
+        assert Path(path).name == key
+
+
+# ------------------------------------------------------------------ services and the webhook
+def test_services_select_a_workload_and_target_its_ports() -> None:
+    for svc in _of_kind("Service"):
+        selector = svc["spec"]["selector"]
+        matches = [w for w in _workloads()
+                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matches) == 1, svc["metadata"]["name"]
+        ports = set().union(*(_ports(c) for c in _containers(matches[0])))
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"{svc['metadata']['name']}: {port}"
+
+
+def _container_port(workload: str, container: str, name: str) -> int:
+    w = next(x for x in _workloads() if x["metadata"]["name"] == workload)
+    c = next(x for x in _containers(w) if x["name"] == container)
+    port: int = next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+    return port
+
+
+def test_the_webhook_configuration_reaches_the_webhook() -> None:
+    config = _one("ValidatingWebhookConfiguration", "gpuplane-webhook")
+    service = _one("Service", "gpuplane-webhook")
+    deployment = _one("Deployment", "gpuplane-webhook")
+    args = _containers(deployment)[0]["args"]
+    for hook in config["webhooks"]:
+        ref = hook["clientConfig"]["service"]
+        assert (ref["name"], ref["namespace"], ref["path"]) == ("gpuplane-webhook", NAMESPACE, "/validate")
+        [port] = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]]
+        assert _container_port("gpuplane-webhook", "webhook", port["targetPort"]) == int(args[args.index("--port") + 1])
+        assert hook["sideEffects"] == "None"
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["failurePolicy"] == "Fail"
+    [pods] = [h for h in config["webhooks"] if any(r["resources"] == ["pods"] for r in h["rules"])]
+    assert pods["rules"] == [{"operations": ["CREATE", "UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                              "resources": ["pods"], "scope": "Namespaced"}]
+    [selector] = pods["namespaceSelector"]["matchExpressions"]
+    assert selector["key"] == "kubernetes.io/metadata.name" and selector["operator"] == "NotIn"
+    assert set(selector["values"]) == {"kube-system", NAMESPACE}
+    # The TLS secret the webhook mounts is the one make-certs.sh writes.
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": "gpuplane-webhook-tls"}} in volumes
+
+
+def _pod_conditions() -> dict[str, str]:
+    config = _one("ValidatingWebhookConfiguration", "gpuplane-webhook")
+    [pods] = [h for h in config["webhooks"] if any(r["resources"] == ["pods"] for r in h["rules"])]
+    return {c["name"]: c["expression"] for c in pods["matchConditions"]}
+
+
+def test_match_conditions_name_the_scheduler_annotations_resources_and_account() -> None:
+    conditions = _pod_conditions()
+    assert set(conditions) == {"not-the-scheduler", "scheduler-annotations-or-gpuplane-resources"}
+    literals = set(_cel_literals(conditions["scheduler-annotations-or-gpuplane-resources"]))
+    assert literals == SCHEDULER_ANNOTATIONS | {"CREATE", "gpuplane.io/"}
+    assert all(name.startswith("gpuplane.io/") for name in MANAGED_RESOURCES)  # what wants_gpu looks for
+    # Only the scheduler is exempt: the node agent's writes reach the webhook, which lets it change bind-phase
+    # alone. The webhook trusts the same account (its default; the Deployment does not override it).
+    assert _cel_literals(conditions["not-the-scheduler"]) == [SCHEDULER]
+    webhook = pytest.importorskip("gpuplane.kube.webhook")
+    assert webhook.DEFAULT_SCHEDULER_ACCOUNT == SCHEDULER
+    assert webhook.DEFAULT_DEVICE_PLUGIN_ACCOUNT == NODE_AGENT
+    args = _containers(_one("Deployment", "gpuplane-webhook"))[0]["args"]
+    assert "--scheduler-account" not in args and "--device-plugin-account" not in args
+
+
+def test_match_conditions_guard_every_has_with_its_parent() -> None:
+    # CEL's has(a.b.c) still evaluates a.b, an error when b is absent; with failurePolicy Fail an error is a
+    # refusal. cel-python answers false there instead, so the evaluation below cannot see a missing guard:
+    # each has() must have its parent guarded by a has() too, unless the parent is a variable or the
+    # metadata every object has. (So each comprehension names its variable differently.)
+    always_there = {"object.metadata", "oldObject.metadata"}
+    for name, expression in _pod_conditions().items():
+        guarded = set(re.findall(r"has\(([\w.]+)\)", expression))
+        for path in guarded:
+            parent = path.rpartition(".")[0]
+            assert "." not in parent or parent in always_there or parent in guarded, f"{name}: has({path})"
+
+
+A = "gpuplane.io/assignment"
+P = "gpuplane.io/bind-phase"
+USER = "system:serviceaccount:team-a:default"
+SCHEDULER = f"system:serviceaccount:{NAMESPACE}:gpuplane-scheduler"
+NODE_AGENT = f"system:serviceaccount:{NAMESPACE}:gpuplane-node-agent"
+
+
+def _pod(annotations: Mapping[str, str] | None, spec: Doc | None = None) -> Doc:
+    meta: Doc = {"name": "p", "namespace": "team-a"}
+    if annotations is not None:
+        meta["annotations"] = dict(annotations)
+    pod: Doc = {"metadata": meta}
+    if spec is not None:
+        pod["spec"] = spec
+    return pod
+
+
+def _asking(part: str, resources: Mapping[str, str], *, init: bool = False) -> Doc:
+    """A pod spec whose container (or initContainer) has `resources` under `part` (limits or requests)."""
+    asking = {"name": "c", "image": "x", "resources": {part: dict(resources)}}
+    plain = {"name": "main", "image": "x"}
+    return {"initContainers": [asking], "containers": [plain]} if init else {"containers": [plain, asking]}
+
+
+GPU = {RES_GPU: "1"}
+CPU = {"cpu": "2", "memory": "1Gi"}
+# (operation, user, old annotations, new annotations, new spec) → does the API server call the webhook?
+MATCH_CASES = [
+    ("CREATE", USER, None, None, None, False),                         # no annotations, no spec: has() guards
+    ("CREATE", USER, None, None, {}, False),                           # no containers (has() guards)
+    ("CREATE", USER, None, None, {"containers": [{"name": "c", "image": "x"}]}, False),  # no resources at all
+    ("CREATE", USER, None, None, {"containers": [{"name": "c", "image": "x", "resources": {}}]}, False),
+    ("CREATE", USER, None, None, _asking("limits", CPU), False),       # only cpu/memory: a plain pod
+    ("CREATE", USER, None, None, _asking("requests", CPU), False),     # (limits or requests absent: has())
+    ("CREATE", USER, None, None, _asking("limits", CPU, init=True), False),
+    ("CREATE", USER, None, None, _asking("requests", CPU, init=True), False),
+    ("CREATE", USER, None, {"gpuplane.io/qos": "online"}, None, False),  # a user's own gpuplane annotation
+    ("CREATE", USER, None, None, _asking("limits", GPU), True),        # asks for a card: the request is judged
+    ("CREATE", USER, None, None, _asking("requests", {"gpuplane.io/gpumem": "4096"}), True),
+    ("CREATE", USER, None, None, _asking("limits", GPU, init=True), True),  # in an initContainer
+    ("CREATE", USER, None, None, _asking("requests", {**CPU, **GPU}, init=True), True),
+    ("CREATE", USER, None, {A: "forged"}, None, True),                 # a forged assignment: judged
+    ("CREATE", USER, None, {P: "allocated"}, _asking("limits", CPU), True),
+    ("UPDATE", USER, {A: "x"}, {A: "x", "team": "b"}, None, False),    # assignment untouched
+    ("UPDATE", USER, {A: "x"}, {A: "x"}, _asking("limits", GPU), False),  # UPDATE: resources do not matter
+    ("UPDATE", USER, {}, {A: "forged"}, None, True),                   # added
+    ("UPDATE", USER, None, {A: "forged"}, None, True),                 # added to a pod with no annotations
+    ("UPDATE", USER, {A: "x"}, {A: "y"}, None, True),                  # changed
+    ("UPDATE", USER, {A: "x"}, {}, None, True),                        # removed: the card would look free
+    ("UPDATE", USER, {A: "x"}, None, None, True),                      # removed with every annotation
+    ("UPDATE", USER, {P: "allocating"}, {P: "allocated"}, None, True),
+    # The scheduler writes every annotation unjudged; the node agent is judged (the webhook lets it change
+    # bind-phase alone), so the node agent cannot rewrite an assignment past the webhook.
+    ("CREATE", SCHEDULER, None, {A: "x"}, _asking("limits", GPU), False),
+    ("UPDATE", SCHEDULER, {P: "allocating"}, {A: "x", P: "allocating"}, None, False),
+    ("UPDATE", NODE_AGENT, {P: "allocating"}, {P: "allocated"}, None, True),
+    ("UPDATE", NODE_AGENT, {A: "x", P: "allocating"}, {A: "y", P: "allocating"}, None, True),
+    ("UPDATE", NODE_AGENT, {A: "x"}, {A: "x", "team": "b"}, None, False),
+]
+
+
+@pytest.mark.parametrize(("operation", "user", "old", "new", "spec", "called"), MATCH_CASES)
+def test_the_webhook_is_called_exactly_for_the_requests_it_judges(
+        operation: str, user: str, old: Mapping[str, str] | None, new: Mapping[str, str] | None,
+        spec: Doc | None, called: bool) -> None:
+    celpy = pytest.importorskip("celpy", reason="cel-python evaluates the matchConditions")
+    env = celpy.Environment()
+    activation = {"request": celpy.json_to_cel({"operation": operation, "userInfo": {"username": user}}),
+                  "object": celpy.json_to_cel(_pod(new, spec)),
+                  "oldObject": celpy.json_to_cel(_pod(old) if operation == "UPDATE" else None)}
+    results = [env.program(env.compile(expr)).evaluate(activation) for expr in _pod_conditions().values()]
+    # An evaluation error is no answer: with failurePolicy Fail the API server would refuse the request.
+    assert all(isinstance(r, celpy.celtypes.BoolType) for r in results), results
+    assert all(results) is called  # the API server calls the webhook only when every condition holds
+
+    # The webhook's own rules agree: whatever it would refuse is sent to it, except the scheduler's requests,
+    # which are trusted (the scheduler creates no pods; it only annotates them).
+    webhook = pytest.importorskip("gpuplane.kube.webhook")
+    review = {"apiVersion": webhook.REVIEW_API_VERSION, "kind": "AdmissionReview",
+              "request": {"uid": "u", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": operation,
+                          "userInfo": {"username": user}, "object": _pod(new, spec),
+                          **({"oldObject": _pod(old)} if operation == "UPDATE" else {})}}
+    if user != SCHEDULER and not webhook.AdmissionPolicy().review(review)["response"]["allowed"]:
+        assert called
+
+
+def test_make_certs_writes_a_secret_and_a_ca_bundle_that_verify(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    # kubectl stands in for the cluster: it records what the script would send.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    kubectl = bin_dir / "kubectl"
+    kubectl.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        echo "$*" >> {tmp_path}/calls
+        case "$*" in
+          *"create secret"*) while [ $# -gt 0 ]; do [ "$1" = --cert ] && cp "$2" {tmp_path}/tls.crt; shift; done;;
+          apply*) cat > {tmp_path}/applied;;
+          patch*) echo "$@" > {tmp_path}/patch;;
+        esac
+        """), encoding="utf-8")
+    kubectl.chmod(kubectl.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DAYS": "2"}
+    subprocess.run(["bash", str(DEPLOY / "webhook" / "make-certs.sh")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    calls = (tmp_path / "calls").read_text(encoding="utf-8")
+    assert f"-n {NAMESPACE} create secret tls gpuplane-webhook-tls" in calls
+    patch = (tmp_path / "patch").read_text(encoding="utf-8")
+    assert "validatingwebhookconfiguration gpuplane-webhook" in patch
+    bundles = re.findall(r'"path": "/webhooks/(\d)/clientConfig/caBundle", "value": "([^"]+)"', patch)
+    webhooks = _one("ValidatingWebhookConfiguration", "gpuplane-webhook")["webhooks"]
+    assert [int(i) for i, _ in bundles] == list(range(len(webhooks)))
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(base64.b64decode(bundles[0][1]))
+    host = f"gpuplane-webhook.{NAMESPACE}.svc"
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca), "-verify_hostname", host,
+                             "-purpose", "sslserver", str(tmp_path / "tls.crt")], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# ------------------------------------------------------------------ priorities
+def test_priority_classes_are_the_models_defaults() -> None:
+    objects = {d["metadata"]["name"]: d for d in _of_kind("PriorityClass")}
+    model = {c.name: c for c in default_priority_classes()}
+    assert set(objects) == set(model)
+    for name, cls in model.items():
+        obj = objects[name]
+        assert obj["value"] == cls.value
+        assert obj["preemptionPolicy"] == cls.preemption_policy.value
+        assert obj["description"] == cls.description
+        assert obj.get("globalDefault", False) is False
+
+
+# ------------------------------------------------------------------ kustomization
+def _listed(kustomization: Path) -> set[Path]:
+    """The files a kustomization reaches, following directories that have their own kustomization."""
+    files: set[Path] = set()
+    for entry in yaml.safe_load(kustomization.read_text(encoding="utf-8"))["resources"]:
+        target = (kustomization.parent / entry).resolve()
+        assert target.exists(), f"{kustomization}: {entry} does not exist"
+        if target.is_dir():
+            files |= _listed(target / "kustomization.yaml")
+        else:
+            files.add(target)
+    return files
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    manifests = {p.resolve() for p in _yaml_files() if p.name not in NOT_API_OBJECTS}
+    listed = _listed(DEPLOY / "kustomization.yaml")
+    assert manifests - listed == set(), f"not in kustomization.yaml: {sorted(map(str, manifests - listed))}"
+    assert listed - manifests == set()
+
+
+def test_kustomize_renders_every_object() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+    assert sorted(_id(DEPLOY, d) for d in docs) == sorted(_id(DEPLOY, d) for _, d in OBJECTS)
