@@ -46,7 +46,7 @@ from gpuplane.model.tidal import (
     TidalWindow,
     load_tidal_policy,
 )
-from gpuplane.port import DELETION_COST, NodeInfo, PodInfo, PodPhase, Status
+from gpuplane.port import DELETION_COST, Code, NodeInfo, PodInfo, PodPhase, Status
 from gpuplane.scheduler import PolicyConfig, Scheduler, SchedulingRules, default_registry
 from gpuplane.sim import SimCluster
 
@@ -938,3 +938,40 @@ def test_without_lending_the_controller_scales_but_never_touches_a_node(monkeypa
                if info.name in TIDAL_NODES)
     assert [p.name for p in world.running("train-")] == ["train-0"]  # training never got more than tr0
     assert len(world.running("chat-tidal-")) == 12  # and the day's replicas are back
+
+
+def test_a_reclaim_eviction_a_disruption_budget_holds_back_is_retried_even_by_a_restarted_controller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    world = night(trainers=4)
+    world.run(RECLAIM - 1)
+    trained = {p.name: p.assignment.node for p in world.running("train-") if p.assignment is not None}
+    lent = sorted(name for name, node_name in trained.items() if node_name != "tr0")
+    held = lent[0]
+    answers = iter([Status(Code.PENDING, ("blocked: disruption budget",))] * 2)  # two passes refused, then allowed
+    evict = world.cluster.evict
+
+    def budget(pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
+        if pod == held:
+            answer = next(answers, None)
+            if answer is not None:
+                return answer
+        return evict(pod, grace_s=grace_s, reason=reason)
+
+    monkeypatch.setattr(world.cluster, "evict", budget)
+    world.run(RECLAIM)  # 07:30: the nodes return; two pods go, the held one keeps running on its node
+    controller = world.controller
+    assert controller is not None and controller.ledger == {}
+    assert (controller.stats.training_pods_evicted, controller.stats.evictions_held) == (2, 1)
+    info = world.cluster.get_pod(held)
+    assert info is not None and info.phase is PodPhase.RUNNING
+
+    # A restarted controller knows nothing of it, yet finds it from the world: a training pod on a home node.
+    world.controller = world.build_controller()
+    world.run(RECLAIM + TICK_S)  # held back once more
+    assert world.controller.stats.evictions_held == 1
+    world.run(RECLAIM + 2 * TICK_S)  # the budget allows it now
+    assert world.controller.stats.training_pods_evicted == 1
+    info = world.cluster.get_pod(held)
+    assert info is not None and info.phase is PodPhase.TERMINATING
+    world.run(RECLAIM + 3 * TICK_S)
+    assert world.controller.stats.training_pods_evicted == 1  # terminating pods are not evicted again

@@ -29,7 +29,7 @@ import numpy as np
 
 from gpuplane.model import MILLI_PER_CARD, Taint
 from gpuplane.model.tidal import Loan, TidalPolicy, TidalService, TidalWindow
-from gpuplane.port import DELETION_COST, ClusterPort, NodeInfo, PodInfo, PodPhase
+from gpuplane.port import DELETION_COST, ClusterPort, Code, NodeInfo, PodInfo, PodPhase
 
 SUBSET_LABEL = "gpuplane.io/tidal-subset"
 """Node label set by the operator: `stable` (never lent) or `tidal` (loanable)."""
@@ -122,6 +122,8 @@ class TidalStats:
     reclaims: int = 0
     early_reclaims: int = 0
     training_pods_evicted: int = 0
+    evictions_held: int = 0
+    """Reclaim evictions a disruption budget held back (answered PENDING); they are retried every pass."""
     drains: list[DrainRecord] = field(default_factory=list)
 
 
@@ -165,6 +167,8 @@ class TidalController:
         window, phase = self.policy.window_at(t)
         nodes = list(self.port.list_nodes())
         pods = list(self.port.list_pods())
+        for name in self._strays(nodes, pods):  # reclaim evictions a disruption budget held back
+            self._evict(name)
         by_workload: dict[str, list[PodInfo]] = {}
         for pod in pods:
             if pod.request.workload is not None:
@@ -263,8 +267,7 @@ class TidalController:
         targets = set(names)
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.assignment.node in targets and pod.phase is PodPhase.RUNNING:
-                self.port.evict(pod.name, grace_s=self.policy.reclaim_grace_s, reason="tidal reclaim")
-                self.stats.training_pods_evicted += 1
+                self._evict(pod.name)
         by_name = {n.name: n for n in self.port.list_nodes()}
         for name in names:
             node = by_name.get(name)
@@ -277,6 +280,24 @@ class TidalController:
             self.history.append(replace(loan, returned=self.now(), early=early))
             self.stats.reclaims += 1
             self.stats.early_reclaims += early
+
+    def _evict(self, pod: str) -> None:
+        status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason="tidal reclaim")
+        if status.ok:
+            self.stats.training_pods_evicted += 1
+        elif status.code is Code.PENDING:  # a disruption budget forbids it now: `_strays` finds it next pass
+            self.stats.evictions_held += 1
+
+    def _strays(self, nodes: Sequence[NodeInfo], pods: Sequence[PodInfo]) -> list[str]:
+        """Training pods still running on tidal nodes that are home again (their eviction was held back).
+
+        Derived from the world, not remembered, so a restarted controller finds them too."""
+        home = {n.name for n in nodes
+                if dict(n.spec.labels).get(SUBSET_LABEL) == "tidal" and n.name not in self.ledger}
+        return [p.name for p in pods
+                if p.phase is PodPhase.RUNNING and p.assignment is not None and p.assignment.node in home
+                and p.request.pools is not None and self.training_pool in p.request.pools
+                and self.tidal_pool not in p.request.pools]
 
     # ------------------------------------------------------------------ early reclaim
     def _shortfall_milli(self, targets: Mapping[str, int], nodes: Sequence[NodeInfo]) -> int:
