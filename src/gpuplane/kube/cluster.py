@@ -207,7 +207,10 @@ class KubeCluster:
                     for event, handlers in events:
                         for handler in handlers:
                             if handler in self._handlers:
-                                handler(event)
+                                try:
+                                    handler(event)
+                                except Exception:  # one subscriber's bug must not end delivery to all
+                                    log.exception("%s: a handler failed on %s", self, event.kind.value)
                         delivered += 1
             finally:
                 self._delivering = False

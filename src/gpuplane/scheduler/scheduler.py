@@ -25,6 +25,8 @@ from gpuplane.model import (
     Binding,
     Catalog,
     ClusterState,
+    NodeSpec,
+    NodeSpecError,
     PlacementError,
     PodRequest,
     PoolConfig,
@@ -242,10 +244,21 @@ class Scheduler:
                 self.shadow.add_node(event.node.spec)
             self.queue.activate_all()
         elif kind is EventKind.NODE_UPDATED and event.node is not None:
-            self.state.update_node(event.node.spec)
-            if self.shadow is not None:
-                self.shadow.update_node(event.node.spec)
+            spec = event.node.spec
+            index = self.state.node_index.get(spec.name)
+            if index is None or _reshaped(self.state.nodes[index], spec, self.catalog):
+                self.resync()  # cards published or changed (the node agent's inventory): the lists show it now
+            else:
+                try:
+                    self.state.update_node(spec)
+                    if self.shadow is not None:
+                        self.shadow.update_node(spec)
+                except NodeSpecError:
+                    self.resync()
             self.queue.activate_all()
+        elif (kind is EventKind.NODE_REMOVED and event.node is not None
+              and event.node.name in self.state.node_index):
+            self.resync()
 
     def _on_added(self, request: PodRequest, now: float) -> None:
         self.queue.add(request, now)
@@ -993,3 +1006,11 @@ class Scheduler:
             for binding in reversed(victims):
                 self._place(binding.request, binding.assignment)
         return last
+
+
+def _reshaped(old: NodeSpec, new: NodeSpec, catalog: Catalog) -> bool:
+    """Whether a node changed in what `ClusterState.update_node` cannot apply in place (its cards, capacity,
+    model, MIG mode or topology): the cache is then rebuilt. `old` is the cache's copy (canonical model name)."""
+    model = catalog.get(new.gpu_model).name if new.gpu_model is not None and new.gpu_model in catalog else new.gpu_model
+    return ((old.gpus, old.cpu_milli, old.memory_mib, old.gpu_model, old.mig_mode, old.topology)
+            != (new.gpus, new.cpu_milli, new.memory_mib, model, new.mig_mode, new.topology))
