@@ -1,6 +1,7 @@
 """The device plugin over real unix-socket gRPC, with a fake kubelet (tests/fake_kubelet.py) on the other end:
 registration, ListAndWatch with health changes, Allocate for whole cards, fractions (HAMi-core), MPS and MIG,
-refusals, kubelet restarts, and the node inventory through a local API server (tests/kubeapi_fake.py)."""
+refusals, kubelet restarts, a multi-container pod's progress kept on the pod across a plugin restart (a real
+child process, SIGKILLed), and the node inventory through a local API server (tests/kubeapi_fake.py)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ from gpuplane.kube.objects import (
     assignment_annotations,
     node_spec,
 )
-from gpuplane.model import Assignment, CardShare, MigMode, QoS, default_catalog
+from gpuplane.model import Assignment, CardShare, GpuplaneError, MigMode, QoS, default_catalog
 from gpuplane.node.allocation import (
+    ALLOCATED_CONTAINERS,
     AllocationSettings,
+    BoundPod,
     KubeAssignmentSource,
     MemoryAssignmentSource,
     PendingPod,
+    bound_pod,
     match_pod,
     pending_pod,
 )
@@ -501,9 +505,205 @@ def test_device_plugin_command_rejects_bad_flags() -> None:
     app = typer.Typer()
     register(app)
     runner = CliRunner()
+    result = runner.invoke(app, ["device-plugin", "--fake-cards", "1", "--node-name", "n", "--mig-grace", "-1"])
+    assert result.exit_code == 2 and "--mig-grace" in result.output
     result = runner.invoke(app, ["device-plugin", "--fake-cards", "1", "--split", "0", "--node-name", "n"])
     assert result.exit_code == 2 and "--split" in result.output
     result = runner.invoke(app, ["device-plugin", "--fake-cards", "1"], env={"NODE_NAME": ""})
     assert result.exit_code == 2 and "--node-name" in result.output
     result = runner.invoke(app, ["device-plugin", "--fake-cards", "1", "--node-name", "n", "--mig-mode", "half"])
     assert result.exit_code == 2 and "--mig-mode" in result.output
+
+
+# -- a multi-container pod's progress lives on the pod -------------------------------------------------------
+
+
+def duo_json(name: str = "duo", *, handed: str | None = None) -> dict[str, Any]:
+    """Two GPU containers of one unit each (and a sidecar without GPUs), assigned whole cards 2 and 3."""
+    raw = pod_json(name, NODE, (whole(2), whole(3)))
+    raw["spec"]["containers"] = [{"name": "a", "image": "cuda", "resources": {"limits": {RES_GPU: "1"}}},
+                                 {"name": "side", "image": "busybox"},
+                                 {"name": "b", "image": "cuda", "resources": {"limits": {RES_GPU: "1"}}}]
+    if handed is not None:
+        raw["metadata"]["annotations"][ALLOCATED_CONTAINERS] = handed
+    return raw
+
+
+def annotations(server: FakeApiServer, key: str) -> dict[str, str]:
+    stored = server.get("pods", key)
+    assert stored is not None
+    return dict(stored["metadata"]["annotations"])
+
+
+def test_progress_is_recorded_on_the_pod_and_the_phase_turns_allocated_with_the_last_container(
+        kubelet: FakeKubelet, sockdir: Path) -> None:
+    with FakeApiServer() as server, \
+            Harness(kubelet, fake_cards(4), sockdir, source=KubeAssignmentSource(server.api, NODE)) as h:
+        server.add_pod(duo_json())
+        assert envs(kubelet.allocate([h.units(0, 1)]))["NVIDIA_VISIBLE_DEVICES"] == "GPU-h100-2"
+        notes = annotations(server, "ml/duo")
+        assert (notes[ALLOCATED_CONTAINERS], notes[BIND_PHASE]) == ("1", PHASE_ALLOCATING)
+        assert envs(kubelet.allocate([h.units(0, 1)]))["NVIDIA_VISIBLE_DEVICES"] == "GPU-h100-3"
+        notes = annotations(server, "ml/duo")
+        assert (notes[ALLOCATED_CONTAINERS], notes[BIND_PHASE]) == ("2", PHASE_ALLOCATED)
+        with pytest.raises(grpc.RpcError) as info:  # nothing waits any more
+            kubelet.allocate([h.units(0, 1)])
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_progress_not_recorded_fails_the_rpc_and_the_retry_gets_the_same_container(kubelet: FakeKubelet,
+                                                                                  sockdir: Path) -> None:
+    with FakeApiServer() as server, \
+            Harness(kubelet, fake_cards(4), sockdir, source=KubeAssignmentSource(server.api, NODE)) as h:
+        server.add_pod(duo_json())
+        server.fail_next("PATCH", r"/pods/duo$", 500, "InternalError")
+        with pytest.raises(grpc.RpcError) as info:
+            kubelet.allocate([h.units(0, 1)])
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE and ALLOCATED_CONTAINERS in str(info.value.details())
+        assert ALLOCATED_CONTAINERS not in annotations(server, "ml/duo")
+        # kubelet retries the first container: it gets the first share again, not the second
+        assert envs(kubelet.allocate([h.units(0, 1)]))["NVIDIA_VISIBLE_DEVICES"] == "GPU-h100-2"
+
+
+def test_a_restarted_plugin_resumes_a_multi_container_pod_from_the_pod(kubelet: FakeKubelet, sockdir: Path) -> None:
+    """The plugin is a real process, killed (SIGKILL: nothing is flushed) between the pod's two containers."""
+    with FakeApiServer() as server:
+        server.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+        server.add_pod(duo_json())
+        kubeconfig = sockdir / "kubeconfig"
+        kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{server.url}"}}}}]
+users: [{{name: nobody, user: {{}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
+current-context: fake
+""")
+        script = ("import typer; from gpuplane.cli.device_plugin_cmd import register; app = typer.Typer(); "
+                  "register(app); app()")
+        env = {**os.environ, "NODE_NAME": NODE, "KUBERNETES_SERVICE_HOST": ""}
+        args = [sys.executable, "-c", script, "device-plugin", "--dir", str(kubelet.directory), "--fake-cards", "4",
+                "--split", "2", "--kubeconfig", str(kubeconfig), "--interval", "0.2"]
+        given: list[str] = []
+        for run in (1, 2):
+            proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                kubelet.wait_registered(run)
+                given.append(envs(kubelet.allocate([["GPU-fake-0::0"]]))["NVIDIA_VISIBLE_DEVICES"])
+            finally:
+                proc.kill()
+                _, stderr = proc.communicate(timeout=WAIT_S)
+            notes = annotations(server, "ml/duo")
+            assert notes[ALLOCATED_CONTAINERS] == str(run), stderr
+        # kubelet asked for one unit of card 0 twice; the pod's containers got its cards 2 then 3, in spec order
+        assert given == ["GPU-fake-2", "GPU-fake-3"]
+        assert annotations(server, "ml/duo")[BIND_PHASE] == PHASE_ALLOCATED
+
+
+@pytest.mark.parametrize(("handed", "expected"), [
+    (None, 0),  # no annotation: no container has its cards yet
+    ("1", 1),
+    ("2", 2),  # all of them (the bind phase would say allocated; the count alone does not match any more)
+])
+def test_pending_pod_reads_the_progress(handed: str | None, expected: int) -> None:
+    got = pending_pod(duo_json(handed=handed), NODE)
+    assert got is not None and got.containers == (("a", 1), ("b", 1)) and got.handed == expected
+    match = match_pod([got], 1)
+    # the next container's card: card 2 for container 0, card 3 for container 1, nothing after both
+    assert (None if match is None else (match[1], match[2][0].card)) == {0: (0, 2), 1: (1, 3), 2: None}[expected]
+
+
+@pytest.mark.parametrize("handed", ["-1", "one", "²", ""])
+def test_an_unreadable_progress_is_named_and_the_pod_skipped(handed: str) -> None:
+    with pytest.raises(GpuplaneError, match=f"annotations\\[{ALLOCATED_CONTAINERS}\\]"):
+        pending_pod(duo_json(handed=handed), NODE)
+    with FakeApiServer() as server:
+        server.add_pod(duo_json(handed=handed))
+        server.add_pod(pod_json("fine", NODE, (whole(0),)))
+        assert [p.key for p in KubeAssignmentSource(server.api, NODE).pending()] == ["ml/fine"]
+
+
+def test_the_memory_source_keeps_progress_across_plugins(kubelet: FakeKubelet, sockdir: Path) -> None:
+    source = MemoryAssignmentSource([pod("duo", (whole(2), whole(3)), containers=(("a", 1), ("b", 1)))])
+    with Harness(kubelet, fake_cards(4), sockdir, source=source) as h:
+        assert envs(kubelet.allocate([h.units(0, 1)]))["NVIDIA_VISIBLE_DEVICES"] == "GPU-h100-2"
+    assert [p.handed for p in source.pods] == [1] and source.allocated == []
+    with Harness(kubelet, fake_cards(4), sockdir, source=source) as h:
+        kubelet.wait_registered(2)
+        assert envs(kubelet.allocate([h.units(1, 1)]))["NVIDIA_VISIBLE_DEVICES"] == "GPU-h100-3"
+    assert source.pods == [] and [p.key for p in source.allocated] == ["default/duo"]
+
+
+# -- which pods hold cards (for the MIG reconcile) -------------------------------------------------------------
+
+
+def with_status(raw: dict[str, Any], phase: str, *, terminating: bool = False) -> dict[str, Any]:
+    raw["status"] = {"phase": phase}
+    if terminating:
+        raw["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return raw
+
+
+@pytest.mark.parametrize(("raw", "holds"), [
+    (with_status(pod_json("p", NODE, (whole(0),)), "Pending"), True),  # allocating
+    (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Running"), True),
+    (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Running", terminating=True),
+     True),  # still running its containers
+    (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Succeeded"), False),
+    (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Failed"), False),
+    (with_status(pod_json("p", "other-node", (whole(0),)), "Running"), False),
+])
+def test_bound_pod(raw: dict[str, Any], holds: bool) -> None:
+    got = bound_pod(raw, NODE)
+    assert (got is not None) is holds
+    if got is not None:
+        assert got == BoundPod("ml/p", Assignment(NODE, (whole(0),)))
+
+
+def test_holders_through_the_api_refuse_to_guess() -> None:
+    with FakeApiServer() as server:
+        server.add_pod(with_status(pod_json("run", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Running"))
+        server.add_pod(with_status(pod_json("done", NODE, (whole(1),), phase=PHASE_ALLOCATED), "Succeeded"))
+        source = KubeAssignmentSource(server.api, NODE)
+        assert [h.key for h in source.holders()] == ["ml/run"]
+        server.fail_next("GET", r"^/api/v1/pods$", 500, "InternalError")
+        with pytest.raises(GpuplaneError, match="cannot list the pods"):
+            source.holders()
+        broken = pod_json("broken", NODE, (whole(2),))
+        broken["metadata"]["annotations"]["gpuplane.io/assignment"] = "{not json"
+        server.add_pod(broken)
+        with pytest.raises(GpuplaneError, match="ml/broken"):  # what it holds is unknown: no answer at all
+            source.holders()
+
+
+# -- who may write the progress (the admission webhook; not this module's code) --------------------------------
+
+NODE_AGENT = "system:serviceaccount:gpuplane-system:gpuplane-node-agent"
+
+
+def admission(operation: str, new: dict[str, Any], old: dict[str, Any] | None, user: str) -> bool:
+    from gpuplane.kube.webhook import AdmissionPolicy
+
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "namespace": "ml",
+        "operation": operation, "object": new, "oldObject": old, "userInfo": {"username": user}}}
+    return bool(AdmissionPolicy().review(body)["response"]["allowed"])
+
+
+def test_the_node_agent_may_record_progress() -> None:
+    old = duo_json()
+    assert admission("UPDATE", duo_json(handed="1"), old, NODE_AGENT)
+    done = duo_json(handed="2")
+    done["metadata"]["annotations"][BIND_PHASE] = PHASE_ALLOCATED
+    assert admission("UPDATE", done, old, NODE_AGENT)
+
+
+def test_a_user_cannot_forge_progress_on_create() -> None:
+    raw = duo_json(handed="1")
+    for note in ("gpuplane.io/assignment", "gpuplane.io/assigned-at", BIND_PHASE):
+        del raw["metadata"]["annotations"][note]
+    del raw["spec"]["nodeName"]
+    assert not admission("CREATE", raw, None, "alice@example.com")
+
+
+def test_a_user_cannot_change_progress() -> None:
+    assert not admission("UPDATE", duo_json(handed="1"), duo_json(), "alice@example.com")

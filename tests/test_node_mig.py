@@ -1,31 +1,42 @@
 """The MIG manager: plans on the catalog's geometry, applied to the fake backend (which refuses what the driver
-refuses) and through NVML with pynvml's functions replaced (the real pynvml error classes and ctypes types)."""
+refuses) and through NVML with pynvml's functions replaced (the real pynvml error classes and ctypes types); and
+the device plugin's MIG reconcile on the fake backend, in virtual time, with instances created by real gRPC
+`Allocate` calls."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import itertools
+import logging
+import shutil
+import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pynvml
 import pytest
 import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.fake_kubelet import FakeKubelet
 from typer.testing import CliRunner
 
 from gpuplane.cli.device_plugin_cmd import register
-from gpuplane.model import Assignment, CardModel, CardShare, default_catalog
-from gpuplane.node.gpu import GIB, DeviceBackend, FakeGpuBackend, GpuBackendError, NvmlBackend
+from gpuplane.model import Assignment, CardModel, CardShare, GpuplaneError, MigMode, QoS, default_catalog
+from gpuplane.node.allocation import BoundPod, MemoryAssignmentSource, PendingPod
+from gpuplane.node.device_plugin import DevicePlugin, MigReconcile, PluginSettings
+from gpuplane.node.gpu import GIB, DeviceBackend, FakeGpuBackend, GpuBackendError, MigInstance, NvmlBackend
 from gpuplane.node.mig import (
     Placement,
     Wanted,
     apply_plan,
+    held_instances,
     layout_is_legal,
     parse_profiles,
     plan_layout,
@@ -457,3 +468,260 @@ def test_mig_apply_refuses_with_exit_2(args: list[str], message: str) -> None:
         args = [*args, "--fake-model", "H100-80GB"]
     result = CliRunner().invoke(_app(), base + args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+# -- the device plugin's MIG reconcile -------------------------------------------------------------------------
+
+NODE = "mig-node"
+GRACE_S = 60.0
+
+
+class FlakyBackend(FakeGpuBackend):
+    """Fake MIG cards whose next `destroy_failures` destroys and `mode_failures` MIG-mode changes fail as NVML
+    would."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.destroy_failures = 0
+        self.mode_failures = 0
+
+    def destroy_mig_instance(self, card: int, gpu_instance_id: int) -> None:
+        if self.destroy_failures:
+            self.destroy_failures -= 1
+            raise GpuBackendError(f"nvmlGpuInstanceDestroy: card {card}: In use by another client")
+        super().destroy_mig_instance(card, gpu_instance_id)
+
+    def set_mig_mode(self, card: int, enabled: bool) -> bool:
+        if self.mode_failures:
+            self.mode_failures -= 1
+            raise GpuBackendError(f"nvmlDeviceSetMigMode: card {card}: Unknown Error")
+        return super().set_mig_mode(card, enabled)
+
+
+class CountingSource(MemoryAssignmentSource):
+    """Counts `holders` calls; raises while `down`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holder_calls = 0
+        self.down = False
+
+    def holders(self) -> list[BoundPod]:
+        self.holder_calls += 1
+        if self.down:
+            raise GpuplaneError("cannot list the pods on mig-node: API server away")
+        return super().holders()
+
+
+class MigNode:
+    """A device plugin on fake H100s with MIG, on a virtual clock. Pods are allocated as kubelet does, by a
+    real gRPC `Allocate` on the plugin's socket (no registration needed for that)."""
+
+    def __init__(self, cards: int = 1, *, mode: MigMode | None = None, enabled: bool = False) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="gpmig-", dir="/tmp"))  # unix socket paths ≤ 107 bytes
+        self.backend = FlakyBackend(cards, H100.memory_mib << 20, name="NVIDIA H100 80GB HBM3", mig_model=H100,
+                                    mig_enabled=enabled)
+        self.source = CountingSource()
+        self.now = 0.0
+        self.plugin = DevicePlugin(PluginSettings(NODE, self.directory, mig_mode=mode, mig_grace_s=GRACE_S),
+                                   self.backend, self.source, clock=lambda: self.now)
+        self.kubelet = FakeKubelet(self.directory)
+
+    def __enter__(self) -> MigNode:
+        self.plugin.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.plugin.stop(0)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def add(self, name: str, card: int, profile_id: int, start: int) -> str:
+        """A pod with one MIG share, bound and allocated: its MIG device's UUID."""
+        share = CardShare(card, 0, 0, mig_profile=profile_id, mig_start=start)
+        self.bind(name, share)
+        response = self.kubelet.allocate([[f"{self.backend.uuid(card)}::0"]], endpoint=self.plugin.settings.endpoint)
+        return str(response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"])
+
+    def bind(self, name: str, share: CardShare) -> None:
+        """A pod bound to the node, not allocated yet."""
+        self.source.add(PendingPod(f"default/{name}", f"uid-{name}", Assignment(NODE, (share,)), self.now, QoS.ONLINE,
+                                   (("main", 1),)))
+
+    def delete(self, name: str) -> None:
+        self.source.delete(f"default/{name}")
+
+    def at(self, now: float) -> MigReconcile:
+        self.now = now
+        return self.plugin.reconcile_mig()
+
+    def layout(self, card: int = 0) -> list[tuple[int, int]]:
+        return [(m.profile_id, m.start) for m in self.backend.mig_instances(card)]
+
+    def uuids(self, card: int = 0) -> list[str | None]:
+        return [m.uuid for m in self.backend.mig_instances(card)]
+
+    def mig_enabled(self, card: int = 0) -> bool | None:
+        return self.backend.describe()[card].mig_enabled
+
+
+@pytest.fixture
+def node() -> Iterator[MigNode]:
+    with MigNode() as mig_node:
+        yield mig_node
+
+
+def test_a_deleted_pods_instance_goes_after_the_grace_and_a_live_pods_stays(node: MigNode) -> None:
+    big = node.add("big", 0, 9, 4)  # 3g.40gb at [4, 8)
+    small = node.add("small", 0, 14, 0)  # 2g.20gb at [0, 2)
+    assert node.layout() == [(14, 0), (9, 4)]
+    node.delete("big")
+    assert node.at(0.0) == MigReconcile()  # first seen unheld at 0: destroyed at 0 + 60
+    assert node.at(59.9) == MigReconcile()
+    done = node.at(60.0)
+    assert [m.uuid for m in done.destroyed] == [big] and done.mig_off == () and done.errors == ()
+    assert node.uuids() == [small]
+    assert node.at(10_000.0) == MigReconcile() and node.uuids() == [small] and node.mig_enabled()
+
+
+def test_a_dynamic_card_leaves_mig_mode_with_its_last_instance_and_enters_it_again(node: MigNode) -> None:
+    node.add("one", 0, 19, 3)  # 1g.10gb at 3; the card entered MIG mode for it
+    assert node.mig_enabled() is True
+    node.delete("one")
+    assert node.at(0.0) == MigReconcile()
+    done = node.at(60.0)  # unheld and unwanted since 0: destroyed, and the empty card leaves MIG mode
+    assert [(m.profile_id, m.start) for m in done.destroyed] == [(19, 3)] and done.mig_off == (0,)
+    assert node.mig_enabled() is False and node.layout() == []
+    calls = node.source.holder_calls
+    assert node.at(1000.0) == MigReconcile() and node.source.holder_calls == calls  # no MIG card: no pod list
+    uuid = node.add("next", 0, 0, 0)  # 7g.80gb: Allocate enters MIG mode again
+    assert node.mig_enabled() is True and node.uuids() == [uuid]
+
+
+def test_an_empty_mig_card_leaves_mig_mode_only_when_no_live_pod_wants_it() -> None:
+    with MigNode(enabled=True) as node:
+        # bound, not allocated yet: wants 2g at 2 on card 0, which has no instance yet
+        node.bind("coming", CardShare(0, 0, 0, mig_profile=14, mig_start=2))
+        assert node.at(0.0) == MigReconcile() and node.at(1000.0) == MigReconcile()
+        assert node.mig_enabled() is True
+        node.delete("coming")
+        assert node.at(1001.0) == MigReconcile()  # unwanted since 1001
+        assert node.at(1060.9) == MigReconcile() and node.mig_enabled() is True
+        assert node.at(1061.0).mig_off == (0,) and node.mig_enabled() is False
+
+
+def test_on_mode_keeps_mig_on_and_puts_a_card_back() -> None:
+    with MigNode(mode=MigMode.ON) as node:
+        assert node.at(0.0).mig_on == (0,) and node.mig_enabled() is True  # ON: the cards are always in MIG mode
+        node.add("one", 0, 9, 0)
+        node.delete("one")
+        node.at(1.0)
+        done = node.at(61.0)
+        assert len(done.destroyed) == 1 and done.mig_off == ()
+        assert node.at(10_000.0) == MigReconcile() and node.mig_enabled() is True and node.layout() == []
+
+
+def test_a_failed_destroy_or_mode_change_is_left_logged_and_retried_next_round(node: MigNode,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    uuid = node.add("gone", 0, 14, 4)
+    node.delete("gone")
+    node.at(0.0)
+    node.backend.destroy_failures = 1
+    node.backend.mode_failures = 1
+    with caplog.at_level(logging.WARNING, logger="gpuplane.node.device_plugin"):
+        failed = node.at(60.0)
+    assert failed.destroyed == () and failed.mig_off == () and len(failed.errors) == 1
+    assert "In use by another client" in failed.errors[0] and "In use by another client" in caplog.text
+    assert node.uuids() == [uuid] and node.mig_enabled() is True  # left as it was
+    retried = node.at(65.0)  # destroyed now; MIG mode off fails once (injected)
+    assert [m.uuid for m in retried.destroyed] == [uuid] and retried.mig_off == ()
+    assert "Unknown Error" in retried.errors[0] and node.mig_enabled() is True
+    assert node.at(70.0).mig_off == (0,) and node.mig_enabled() is False
+
+
+def test_nothing_is_destroyed_while_the_pods_cannot_be_listed(node: MigNode) -> None:
+    uuid = node.add("gone", 0, 5, 0)
+    node.source.down = True
+    node.delete("gone")
+    for t in (0.0, 60.0, 10_000.0):
+        assert node.at(t).errors == ("holders: cannot list the pods on mig-node: API server away",)
+    assert node.uuids() == [uuid]
+    node.source.down = False
+    assert node.at(10_001.0) == MigReconcile()  # unheld seen first now: the grace runs from here
+    assert len(node.at(10_061.0).destroyed) == 1
+
+
+def test_instances_no_live_pod_holds_make_way_for_a_new_pod_within_the_grace(node: MigNode) -> None:
+    node.add("old-3g", 0, 9, 4)  # [4, 8)
+    node.add("old-1g", 0, 19, 0)  # [0, 1)
+    live = node.add("live-1g", 0, 19, 1)  # [1, 2)
+    node.delete("old-3g")
+    node.delete("old-1g")
+    node.at(0.0)
+    # the scheduler freed [4, 8) at once; the new 2g at [4, 6) overlaps only old-3g's instance: that one goes,
+    # old-1g's (apart from it) waits for its grace
+    new = node.add("new-2g", 0, 14, 4)
+    assert node.layout() == [(19, 0), (19, 1), (14, 4)] and live in node.uuids() and new in node.uuids()
+    # a live pod's instance never makes way, even for an assignment that overlaps it
+    with pytest.raises(grpc.RpcError) as info:
+        node.add("clash", 0, 14, 0)  # [0, 2): old-1g's instance could go, live-1g's cannot
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "no legal layout" in str(info.value.details())
+    assert live in node.uuids()
+
+
+def instance(profile_id: int, start: int, gi: int) -> MigInstance:
+    return MigInstance(0, profile_id, start, H100.mig_profiles[profile_id].memory_slices, gi, 0, f"MIG-{gi}")
+
+
+@pytest.mark.parametrize(("wanted", "held"), [
+    ([Wanted(19, 1)], [2]),  # the 1g at 1 only
+    ([Wanted(19)], [1, 2]),  # a 1g anywhere: which one it got is not recorded, so both are held
+    ([Wanted(14, 0)], []),  # no 2g at 0: nothing held
+    ([Wanted(9, 4), Wanted(19, 0)], [1, 3]),
+    ([], []),
+])
+def test_held_instances(wanted: list[Wanted], held: list[int]) -> None:
+    present = [instance(19, 0, 1), instance(19, 1, 2), instance(9, 4, 3)]
+    assert [m.gpu_instance_id for m in held_instances(present, wanted)] == held
+
+
+CANDIDATES = [(card, profile_id, start) for card in (0, 1) for profile_id in (0, 5, 9, 14, 19)
+              for start in H100.mig_profiles[profile_id].starts]
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, len(CANDIDATES) - 1)),
+    st.tuples(st.just("delete"), st.integers(0, 20)),
+    st.tuples(st.just("tick"), st.sampled_from([0.0, 1.0, 30.0, 59.0, 60.0, 250.0])),
+), max_size=16)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS, mode=st.sampled_from([MigMode.DYNAMIC, MigMode.ON]))
+def test_after_any_history_the_instances_are_exactly_the_live_pods_shares(ops: list[tuple[str, float]],
+                                                                          mode: MigMode) -> None:
+    with MigNode(2, mode=mode) as node:
+        live: dict[str, tuple[int, int, int, str]] = {}
+        """pod -> (card, profile, start, MIG device UUID)"""
+        for i, (op, arg) in enumerate(ops):
+            if op == "add":
+                card, profile_id, start = CANDIDATES[int(arg)]
+                layout = [Placement(s, p) for c, p, s, _ in live.values() if c == card] + [Placement(start, profile_id)]
+                if not layout_is_legal(H100, layout).ok:
+                    continue  # the scheduler places a MIG share only beside the live ones
+                live[f"p{i}"] = (card, profile_id, start, node.add(f"p{i}", card, profile_id, start))
+            elif op == "delete" and live:
+                name = sorted(live)[int(arg) % len(live)]
+                del live[name]
+                node.delete(name)
+            elif op == "tick":
+                node.now += arg
+                node.plugin.tick()
+            for card, _, _, uuid in live.values():  # never destroyed under a live pod
+                assert uuid in node.uuids(card)
+        node.now += 1.0
+        node.plugin.tick()  # every dead instance is seen unheld by now ...
+        node.now += GRACE_S
+        node.plugin.tick()  # ... and its grace is over
+        for card in (0, 1):
+            shares = sorted((p, s) for c, p, s, _ in live.values() if c == card)
+            assert sorted(node.layout(card)) == shares
+            assert sorted(u for c, _, _, u in live.values() if c == card) == sorted(map(str, node.uuids(card)))
+            assert node.mig_enabled(card) is (mode is MigMode.ON or bool(shares))

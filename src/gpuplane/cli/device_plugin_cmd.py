@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
                                                             "$KUBECONFIG]")] = None,
         interval_s: Annotated[float, typer.Option("--interval", help="seconds between health and socket "
                                                                      "checks")] = 5.0,
+        mig_grace_s: Annotated[float, typer.Option("--mig-grace", help="seconds a MIG instance no live pod holds "
+                                                                      "is kept before it is destroyed")] = 60.0,
     ) -> None:
         """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM."""
         from gpuplane.node.allocation import AllocationSettings, AssignmentSource, MemoryAssignmentSource
@@ -63,11 +65,14 @@ def register(app: typer.Typer) -> None:
             _fail(f"--split: at least 1, got {split}")
         if interval_s <= 0:
             _fail(f"--interval: must be positive, got {interval_s}")
+        if mig_grace_s < 0:
+            _fail(f"--mig-grace: must not be negative, got {mig_grace_s}")
         try:
             mode = MigMode(mig_mode) if mig_mode is not None else None
         except ValueError:
             _fail(f"--mig-mode: {mig_mode!r} is not one of dynamic, on, off")
         settings = PluginSettings(node_name=node, directory=directory, split=split, mig_mode=mode,
+                                  mig_grace_s=mig_grace_s,
                                   allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir,
                                                                 vgpu_dir=vgpu_dir))
         backend = _backend(fake_cards, fake_model)

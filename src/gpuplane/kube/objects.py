@@ -88,7 +88,10 @@ POOL_LABEL = f"{DOMAIN}/pool"
 ASSIGNMENT = f"{DOMAIN}/assignment"
 ASSIGNED_AT = f"{DOMAIN}/assigned-at"
 BIND_PHASE = f"{DOMAIN}/bind-phase"
-SCHEDULER_ANNOTATIONS = frozenset({ASSIGNMENT, ASSIGNED_AT, BIND_PHASE})
+ALLOCATED_CONTAINERS = f"{DOMAIN}/allocated-containers"
+"""GPU containers of the pod the device plugin has handed their cards so far (durable across its restarts)."""
+SCHEDULER_ANNOTATIONS = frozenset({ASSIGNMENT, ASSIGNED_AT, BIND_PHASE, ALLOCATED_CONTAINERS})
+"""Annotations only gpuplane writes; the device plugin may write `BIND_PHASE` and `ALLOCATED_CONTAINERS`."""
 PHASE_ALLOCATING = "allocating"
 """Recorded, bound, not yet handed to a container by the device plugin."""
 PHASE_ALLOCATED = "allocated"

@@ -3,9 +3,10 @@
 Rules:
 
 - A pod CREATE carrying any of gpuplane's scheduler annotations (`SCHEDULER_ANNOTATIONS`: assignment,
-  assigned-at, bind-phase) is rejected: users must not forge their own card allocation.
+  assigned-at, bind-phase, allocated-containers) is rejected: users must not forge their own card allocation.
 - A pod UPDATE that adds, changes or removes one of them is rejected unless the requester is one of the
-  scheduler's service accounts; the device plugin's accounts may change `bind-phase` only.
+  scheduler's service accounts; the device plugin's accounts may change `bind-phase` and
+  `allocated-containers` only.
 - A pod CREATE that asks for gpuplane resources (`wants_gpu`) with a request that can never be valid is
   rejected, the message naming the field (`pod_request`).
 - gpuplane's custom resources (`gpuplane.kube.crds`) are validated on CREATE and UPDATE, with the field path.
@@ -28,8 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from gpuplane.kube.crds import BY_KIND, GROUP, ResourceError, parse_resource
-from gpuplane.kube.objects import BIND_PHASE, SCHEDULER_ANNOTATIONS, ObjectError, annotations_of, pod_request, wants_gpu
+from gpuplane.kube.objects import (
+    ALLOCATED_CONTAINERS,
+    BIND_PHASE,
+    SCHEDULER_ANNOTATIONS,
+    ObjectError,
+    annotations_of,
+    pod_request,
+    wants_gpu,
+)
 from gpuplane.model import Catalog, default_catalog
+
+DEVICE_PLUGIN_ANNOTATIONS = frozenset({BIND_PHASE, ALLOCATED_CONTAINERS})
+"""What the device plugin writes on a pod as it hands containers their cards."""
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +122,11 @@ class AdmissionPolicy:
         if user in self.scheduler_accounts:
             return ALLOW
         if user in self.device_plugin_accounts:
-            beyond = [k for k in changed if k != BIND_PHASE]
+            beyond = [k for k in changed if k not in DEVICE_PLUGIN_ANNOTATIONS]
             if not beyond:
                 return ALLOW
             return Verdict(False, f"{label}: metadata.annotations[{beyond[0]}]: the device plugin ({user}) may "
-                                  f"change only {BIND_PHASE}")
+                                  f"change only {ALLOCATED_CONTAINERS}, {BIND_PHASE}")
         return Verdict(False, f"{label}: metadata.annotations[{changed[0]}]: only the gpuplane scheduler may "
                               f"change {', '.join(changed)} (requested by {user or 'an unnamed user'})")
 

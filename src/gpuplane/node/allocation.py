@@ -4,8 +4,14 @@ card assignment into environment, mounts and device nodes.
 Kubelet picks `gpuplane.io/gpu` units (`<card uuid>::<k>`) by count only, so, as in HAMi, the units it names
 do not say which cards the container gets: the scheduler's assignment on the pod does. The allocation is for
 the oldest pod (by `gpuplane.io/assigned-at`) on this node whose `gpuplane.io/bind-phase` is `allocating` and
-whose next GPU container asks for as many units as kubelet requested. Once every GPU container of the pod
-was handed its cards, the pod's bind phase turns `allocated`.
+whose next GPU container asks for as many units as kubelet requested.
+
+Progress is kept on the pod, not in the plugin: `gpuplane.io/allocated-containers` (`ALLOCATED_CONTAINERS`)
+counts the GPU containers already handed their cards (absent: none), and a restarted plugin resumes from it.
+The bind phase stays `allocating` until the last GPU container's cards are handed, when one write sets the
+count and turns the phase `allocated`. The count is written before the RPC answers; a failed write fails the
+RPC, and kubelet's retry matches the same container again. An answer lost after the write is not undone:
+kubelet's request names no container, so its retry cannot be told from the next container's request.
 
 What a container gets (`container_allocation`):
 
@@ -28,11 +34,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gpuplane.kube.api import PODS_ALL, KubeApi, pod_path
 from gpuplane.kube.objects import (
+    ALLOCATED_CONTAINERS,
     ASSIGNED_AT,
     ASSIGNMENT,
     BIND_PHASE,
@@ -52,11 +59,14 @@ from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, GpuplaneError,
 from gpuplane.node.gpu import CardInfo
 
 __all__ = [
-    "AllocationSettings", "AssignmentSource", "ContainerAllocation", "DeviceNode", "KubeAssignmentSource",
-    "MemoryAssignmentSource", "Mount", "PendingPod", "container_allocation", "match_pod", "pending_pod",
+    "ALLOCATED_CONTAINERS", "AllocationSettings", "AssignmentSource", "BoundPod", "ContainerAllocation", "DeviceNode",
+    "KubeAssignmentSource", "MemoryAssignmentSource", "Mount", "PendingPod", "bound_pod", "container_allocation",
+    "match_pod", "pending_pod",
 ]
 
 log = logging.getLogger(__name__)
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,8 @@ class PendingPod:
     qos: QoS = QoS.ONLINE
     containers: tuple[tuple[str, int], ...] = ()
     """(name, units of the GPU resource) of each container that asks for it, in spec order."""
+    handed: int = 0
+    """GPU containers already handed their cards (`ALLOCATED_CONTAINERS`)."""
 
     @property
     def gpu_containers(self) -> tuple[tuple[str, int], ...]:
@@ -78,15 +90,31 @@ class PendingPod:
         return self.containers or (("", len(self.assignment.cards)),)
 
 
+@dataclass(frozen=True, slots=True)
+class BoundPod:
+    """A pod on this node that holds (or is about to hold) the cards of its assignment."""
+
+    key: str
+    assignment: Assignment
+
+
 class AssignmentSource(Protocol):
-    """Where the device plugin finds the pods waiting for devices, and records that they got them."""
+    """Where the device plugin finds the pods waiting for devices, records their progress, and sees which pods
+    hold cards on the node."""
 
     def pending(self) -> list[PendingPod]:
-        """Pods on this node in bind phase `allocating` (any order)."""
+        """Pods on this node in bind phase `allocating` (any order), with their recorded progress."""
         ...
 
-    def mark_allocated(self, pod: PendingPod) -> None:
-        """Record that every GPU container of the pod has its devices; raises `GpuplaneError` on failure."""
+    def mark_handed(self, pod: PendingPod, handed: int) -> None:
+        """Record that the pod's first `handed` GPU containers have their devices; when that is all of them the
+        bind phase turns `allocated`. Raises `GpuplaneError` when it cannot be recorded."""
+        ...
+
+    def holders(self) -> list[BoundPod]:
+        """Every pod on this node that may hold cards: it has an assignment and has not finished (phase neither
+        Succeeded nor Failed; a terminating pod still holds them). Raises `GpuplaneError` when that cannot be
+        known in full (the pods cannot be listed, or one's assignment cannot be read)."""
         ...
 
 
@@ -109,6 +137,10 @@ def pending_pod(pod: Mapping[str, Any], node: str, resource: str = RES_GPU) -> P
         assigned_at = float(stamp)
     except ValueError:
         assigned_at = parse_time(stamp) or float("inf")
+    raw_handed = annotations.get(ALLOCATED_CONTAINERS, "0")
+    if not (raw_handed.isascii() and raw_handed.isdigit()):
+        raise ObjectError(key, f"metadata.annotations[{ALLOCATED_CONTAINERS}]",
+                          f"{raw_handed!r} is not a count of containers")
     try:
         qos = QoS.from_trace(labels_of(pod).get(QOS_LABEL, "online"))
     except RequestError:
@@ -124,12 +156,27 @@ def pending_pod(pod: Mapping[str, Any], node: str, resource: str = RES_GPU) -> P
                 units = int(quantity(raw_units, key, f"spec.containers[{i}].resources.{part}[{resource}]"))
                 containers.append((str(container.get("name") or f"container-{i}"), units))
                 break
-    return PendingPod(key, str(meta.get("uid") or key), assignment, assigned_at, qos, tuple(containers))
+    return PendingPod(key, str(meta.get("uid") or key), assignment, assigned_at, qos, tuple(containers),
+                      int(raw_handed))
+
+
+def bound_pod(pod: Mapping[str, Any], node: str) -> BoundPod | None:
+    """The pod as a `BoundPod` when it is on `node`, has an assignment and has not finished; None otherwise.
+    Raises `ObjectError` for an unreadable assignment."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
+    assert isinstance(spec, Mapping) and isinstance(status, Mapping)
+    raw = annotations_of(pod).get(ASSIGNMENT)
+    if spec.get("nodeName") != node or not raw or status.get("phase") in TERMINAL_PHASES:
+        return None
+    key = object_key(pod)
+    return BoundPod(key, decode_assignment(raw, key))
 
 
 class KubeAssignmentSource:
-    """Pods through the API: a list with `fieldSelector=spec.nodeName=<node>`; `allocated` is a merge PATCH of
-    the bind-phase annotation."""
+    """Pods through the API: a list with `fieldSelector=spec.nodeName=<node>` (a consistent read, so it shows
+    the plugin's own last write); progress is a merge PATCH of `ALLOCATED_CONTAINERS` (and, with the last
+    container, of the bind phase)."""
 
     def __init__(self, api: KubeApi, node: str, resource: str = RES_GPU) -> None:
         self.api = api
@@ -149,17 +196,33 @@ class KubeAssignmentSource:
                 found.append(pending)
         return found
 
-    def mark_allocated(self, pod: PendingPod) -> None:
+    def mark_handed(self, pod: PendingPod, handed: int) -> None:
         namespace, _, name = pod.key.rpartition("/")
+        annotations = {ALLOCATED_CONTAINERS: str(handed)}
+        if handed >= len(pod.gpu_containers):
+            annotations[BIND_PHASE] = PHASE_ALLOCATED
         try:
-            self.api.patch(pod_path(namespace or "default", name),
-                           {"metadata": {"annotations": {BIND_PHASE: PHASE_ALLOCATED}}})
+            self.api.patch(pod_path(namespace or "default", name), {"metadata": {"annotations": annotations}})
         except Exception as exc:  # ApiError, or the transport's own errors
-            raise GpuplaneError(f"{pod.key}: cannot record bind phase {PHASE_ALLOCATED}: {exc}") from exc
+            what = ", ".join(f"{k}={v}" for k, v in annotations.items())
+            raise GpuplaneError(f"{pod.key}: cannot record {what}: {exc}") from exc
+
+    def holders(self) -> list[BoundPod]:
+        try:
+            pods, _ = self.api.list(PODS_ALL, field_selector=f"spec.nodeName={self.node}")
+        except Exception as exc:  # ApiError, or the transport's own errors
+            raise GpuplaneError(f"cannot list the pods on {self.node}: {exc}") from exc
+        found = []
+        for pod in pods:
+            bound = bound_pod(pod, self.node)  # an ObjectError (a GpuplaneError) goes to the caller
+            if bound is not None:
+                found.append(bound)
+        return found
 
 
 class MemoryAssignmentSource:
-    """Pods held in memory (tests, `--fake-cards` dry runs)."""
+    """Pods held in memory (tests, `--fake-cards` dry runs): `pods` wait (with their progress), `allocated`
+    have every container's cards."""
 
     def __init__(self, pods: Sequence[PendingPod] = ()) -> None:
         self.pods = list(pods)
@@ -168,24 +231,36 @@ class MemoryAssignmentSource:
     def add(self, pod: PendingPod) -> None:
         self.pods.append(pod)
 
+    def delete(self, key: str) -> None:
+        """The pod is gone (deleted, or finished)."""
+        self.pods = [p for p in self.pods if p.key != key]
+        self.allocated = [p for p in self.allocated if p.key != key]
+
     def pending(self) -> list[PendingPod]:
         return list(self.pods)
 
-    def mark_allocated(self, pod: PendingPod) -> None:
-        self.pods = [p for p in self.pods if p.uid != pod.uid]
-        self.allocated.append(pod)
+    def mark_handed(self, pod: PendingPod, handed: int) -> None:
+        if handed >= len(pod.gpu_containers):
+            self.pods = [p for p in self.pods if p.uid != pod.uid]
+            self.allocated.append(pod)
+        else:
+            self.pods = [replace(p, handed=handed) if p.uid == pod.uid else p for p in self.pods]
+
+    def holders(self) -> list[BoundPod]:
+        return [BoundPod(p.key, p.assignment) for p in self.pods + self.allocated]
 
 
 def match_pod(pending: Sequence[PendingPod], units: int,
-              handed: Mapping[str, int]) -> tuple[PendingPod, int, tuple[CardShare, ...]] | None:
+              handed: Mapping[str, int] | None = None) -> tuple[PendingPod, int, tuple[CardShare, ...]] | None:
     """(pod, container number, the container's cards) for an allocation of `units` units, or None.
 
-    `handed` counts, per pod UID, the GPU containers already given their devices. When the containers' units
-    add up to the pod's cards, each container gets its own run of cards in spec order; otherwise (one card
-    shared by the pod's containers) every container gets all of the pod's cards."""
+    A pod's next container is the first of its GPU containers not yet handed its cards: `PendingPod.handed`,
+    or `handed[uid]` when that is more. When the containers' units add up to the pod's cards, each container
+    gets its own run of cards in spec order; otherwise (one card shared by the pod's containers) every
+    container gets all of the pod's cards."""
     for pod in sorted(pending, key=lambda p: (p.assigned_at, p.key)):
         containers = pod.gpu_containers
-        number = handed.get(pod.uid, 0)
+        number = max(pod.handed, (handed or {}).get(pod.uid, 0))
         if number >= len(containers) or containers[number][1] != units:
             continue
         cards = pod.assignment.cards

@@ -14,7 +14,17 @@ when its last Xid is critical (`gpuplane.controllers.health.CRITICAL_XIDS`); it 
 reading recovers. `Allocate` hands each container what the scheduler assigned (`gpuplane.node.allocation`),
 creating a MIG instance the assignment names when it does not exist yet; an unknown unit fails with
 `NOT_FOUND`, an unhealthy one or no pod to match with `FAILED_PRECONDITION`, and either pushes a fresh
-`ListAndWatch` update.
+`ListAndWatch` update. When the assigned instance cannot be placed next to the instances present, instances no
+live pod holds make way for it (those overlapping it first, then all of them).
+
+MIG reconcile (`reconcile_mig`, every `tick`, in DYNAMIC and ON mode): each MIG-mode card's instances are
+compared with the MIG shares of the pods bound to this node that have not finished (`AssignmentSource.holders`).
+An instance no such pod holds is destroyed once it has been unheld for `mig_grace_s` (a pod being created, or a
+new pod placed where a deleted one was, is not raced); in DYNAMIC mode a card left without instances that no
+live pod has wanted for `mig_grace_s` leaves MIG mode (it enters MIG mode again with the next instance
+`Allocate` creates); in ON mode a card stays in MIG mode, and one found out of it is put back. An instance a
+live pod holds is never destroyed, and nothing is destroyed while the pods cannot be listed in full. A backend
+error leaves the card as it is; it is logged and tried again next round.
 
 The node inventory (annotation `gpuplane.io/gpu-inventory`) is built from the backend (`node_inventory`) and
 published at start and whenever it changes. The protocol is loaded at run time from `deviceplugin.proto`
@@ -28,6 +38,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -47,13 +58,13 @@ from gpuplane.node.allocation import (
     container_allocation,
     match_pod,
 )
-from gpuplane.node.gpu import CardInfo, DeviceBackend, GpuBackendError
-from gpuplane.node.mig import Wanted, apply_plan, plan_layout
+from gpuplane.node.gpu import CardInfo, DeviceBackend, GpuBackendError, MigInstance
+from gpuplane.node.mig import MigPlan, Wanted, apply_plan, held_instances, plan_layout, wanted_from_assignments
 
 __all__ = [
     "DEFAULT_DIR", "ENDPOINT", "HEALTHY", "KUBELET_SOCKET", "UNHEALTHY", "VERSION", "AdvertisedDevice",
-    "DevicePlugin", "DevicePluginError", "PluginSettings", "Wire", "canonical_model", "node_inventory", "protocol",
-    "publish_inventory",
+    "DevicePlugin", "DevicePluginError", "MigReconcile", "PluginSettings", "Wire", "canonical_model",
+    "node_inventory", "protocol", "publish_inventory",
 ]
 
 log = logging.getLogger(__name__)
@@ -168,10 +179,15 @@ class PluginSettings:
     mig_mode: MigMode | None = None
     """Published in the inventory (None: DYNAMIC for MIG-capable models, else OFF)."""
     register_timeout_s: float = 5.0
+    mig_grace_s: float = 60.0
+    """How long a MIG instance no live pod holds (and a MIG card no live pod wants) is left before the reconcile
+    destroys it (turns MIG mode off)."""
 
     def __post_init__(self) -> None:
         if self.split < 1:
             raise ValueError(f"split must be at least 1, got {self.split}")
+        if self.mig_grace_s < 0:
+            raise ValueError(f"mig_grace_s must not be negative, got {self.mig_grace_s}")
         if "/" in self.endpoint or self.endpoint == KUBELET_SOCKET:
             raise ValueError(f"endpoint {self.endpoint!r}: a socket file name in the directory, not kubelet.sock")
 
@@ -183,17 +199,31 @@ class AdvertisedDevice:
     numa: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class MigReconcile:
+    """What one MIG reconcile round did."""
+
+    destroyed: tuple[MigInstance, ...] = ()
+    mig_off: tuple[int, ...] = ()
+    """Cards that left MIG mode."""
+    mig_on: tuple[int, ...] = ()
+    """Cards put back into MIG mode (ON)."""
+    errors: tuple[str, ...] = ()
+    """What failed (left as it was, tried again next round)."""
+
+
 class DevicePlugin:
     """The `DevicePlugin` service and its registration with kubelet. Methods named like the RPCs are the
-    servicer; `start`, `tick`, `run` and `stop` drive it."""
+    servicer; `start`, `tick`, `run` and `stop` drive it. `clock` (seconds) times the MIG grace period."""
 
     def __init__(self, settings: PluginSettings, backend: DeviceBackend, source: AssignmentSource, *,
                  catalog: Catalog | None = None, publish: Callable[[NodeInventory], None] | None = None,
-                 max_workers: int = 16) -> None:
+                 max_workers: int = 16, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.backend = backend
         self.source = source
         self.catalog = catalog if catalog is not None else default_catalog()
+        self._clock = clock
         self._publish = publish
         self._max_workers = max_workers
         self._cards: list[CardInfo] = []
@@ -204,8 +234,13 @@ class DevicePlugin:
         self._cond = threading.Condition()
         self._stopping = False
         self._alloc_lock = threading.Lock()
-        self._handed: dict[str, int] = {}
-        """pod UID -> GPU containers already given their devices."""
+        """Held by Allocate and the MIG reconcile: one changes the MIG layout at a time."""
+        self._unheld: dict[tuple[int, int, int, int], float] = {}
+        """(card, GPU instance ID, profile ID, start) -> when the reconcile first found no live pod holding it."""
+        self._unwanted: dict[int, float] = {}
+        """card -> when the reconcile first found no live pod with a MIG share on it."""
+        self._mig_pending: set[int] = set()
+        """Cards whose MIG mode change waits for a GPU reset (logged once)."""
         self._server: Any = None
         self._served_inode: int | None = None
         self._registered_with: tuple[int, int] | None = None
@@ -261,7 +296,7 @@ class DevicePlugin:
         self._register()
 
     def tick(self) -> None:
-        """One round of watching: card health, the inventory, our socket and kubelet's."""
+        """One round of watching: card health, the inventory, our socket and kubelet's, the MIG instances."""
         self._check_health()
         try:
             cards = self.backend.describe()
@@ -278,6 +313,7 @@ class DevicePlugin:
         identity = self._identity(self.kubelet_socket)
         if identity is not None and identity != self._registered_with:
             self._register()
+        self.reconcile_mig()
 
     def run(self, stop: threading.Event, interval_s: float = 5.0) -> None:
         """`tick` every `interval_s` until `stop` is set."""
@@ -473,7 +509,7 @@ class DevicePlugin:
             pending = self.source.pending()
         except Exception as exc:  # the API server may be away: kubelet retries the container
             self._fail(context, grpc.StatusCode.UNAVAILABLE, f"cannot list the pods waiting for devices: {exc}")
-        match = match_pod(pending, len(ids), self._handed)
+        match = match_pod(pending, len(ids))
         if match is None:
             self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
                        f"container request {number}: no pod on node {self.settings.node_name} is waiting "
@@ -497,15 +533,10 @@ class DevicePlugin:
         container = pod.gpu_containers[container_number][0]
         allocation = container_allocation(pod, container, shares, cards, mig_uuids, self.settings.allocation)
         self._prepare_host(allocation)
-        handed = container_number + 1
-        if handed >= len(pod.gpu_containers):
-            try:
-                self.source.mark_allocated(pod)
-            except GpuplaneError as exc:
-                self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-            self._handed.pop(pod.uid, None)
-        else:
-            self._handed[pod.uid] = handed
+        try:
+            self.source.mark_handed(pod, container_number + 1)
+        except GpuplaneError as exc:  # not recorded: kubelet retries, and this container matches again
+            self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("allocated %s container %s: %s", pod.key, container or "(unnamed)",
                  allocation.envs.get("NVIDIA_VISIBLE_DEVICES"))
         return allocation
@@ -519,20 +550,141 @@ class DevicePlugin:
                     return instance.uuid, ""
             model = self._model()
             info = self._cards[card]
-            plan, status = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in present]
-                                       + [Wanted(profile_id, start)], present, info.mig_enabled)
+            wanted = Wanted(profile_id, start)
+            plan, status = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in present] + [wanted],
+                                       present, info.mig_enabled)
+            if plan is None:
+                plan = self._plan_over_unheld(model, card, wanted, present, info.mig_enabled)
             if plan is None:
                 return None, f"card {card}: {status.message}"
             result = apply_plan(self.backend, plan)
+            for instance in result.destroyed:
+                log.info("card %d: destroyed GPU instance %d (profile %d at %d, held by no live pod) to make way",
+                         card, instance.gpu_instance_id, instance.profile_id, instance.start)
             if not result.status.ok:
                 return None, f"card {card}: {result.status.message}"
             for instance in result.created:
                 if instance.profile_id == profile_id and instance.uuid:
                     self._cards[card] = replace(info, mig_enabled=True)
+                    self._mig_pending.discard(card)
                     return instance.uuid, ""
         except (GpuBackendError, CatalogError) as exc:
             return None, f"card {card}: MIG instance (profile {profile_id} at {start}): {exc}"
         return None, f"card {card}: no MIG device for profile {profile_id} at {start}"
+
+    def _plan_over_unheld(self, model: CardModel, card: int, wanted: Wanted, present: Sequence[MigInstance],
+                          mig_enabled: bool | None) -> MigPlan | None:
+        """A plan that places `wanted` by destroying instances no live pod holds: those overlapping it first,
+        then all of them; None when there is none, or when the pods cannot be listed in full."""
+        try:
+            holders = self.source.holders()
+        except Exception as exc:  # the API server may be away: destroy nothing blind
+            log.warning("card %d: cannot tell which MIG instances are free: %s", card, exc)
+            return None
+        held = held_instances(present, wanted_from_assignments([h.assignment for h in holders], card))
+        profile = model.mig_profile(wanted.profile_id)
+        mask = profile.slot_mask(wanted.start) if profile is not None and wanted.start is not None else -1
+        apart = [m for m in present if m not in held and not (((1 << m.size) - 1) << m.start) & mask]
+        for keep in (list(held) + apart, list(held)):
+            plan, _ = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in keep] + [wanted], present,
+                                  mig_enabled)
+            if plan is not None:
+                return plan
+        return None
+
+    # -- MIG reconcile ------------------------------------------------------------------------------------------
+
+    def mig_mode(self) -> MigMode:
+        """The node's MIG mode: the setting, or DYNAMIC when the cards have MIG and OFF when they do not."""
+        if self.settings.mig_mode is not None:
+            return self.settings.mig_mode
+        return MigMode.DYNAMIC if any(c.mig_enabled is not None for c in self._cards) else MigMode.OFF
+
+    def reconcile_mig(self) -> MigReconcile:
+        """One round of making the MIG-mode cards' instances those of the live pods' MIG shares (the module
+        docstring has the rules). Lists the pods only when some card is in MIG mode, or ought to be (ON)."""
+        mode = self.mig_mode()
+        cards = [c for c in self._cards if c.mig_enabled is not None]
+        if mode is MigMode.OFF or not cards or (mode is MigMode.DYNAMIC and not any(c.mig_enabled for c in cards)):
+            self._unheld.clear()
+            self._unwanted.clear()
+            return MigReconcile()
+        with self._alloc_lock:
+            try:
+                holders = self.source.holders()
+            except Exception as exc:  # GpuplaneError, or a source's own failure: destroy nothing blind
+                log.warning("MIG reconcile skipped: cannot tell which pods hold MIG instances: %s", exc)
+                return MigReconcile(errors=(f"holders: {exc}",))
+            now = self._clock()
+            assignments = [h.assignment for h in holders]
+            round_ = _Round()
+            for card in cards:
+                self._reconcile_card(card.index, mode, wanted_from_assignments(assignments, card.index), now, round_)
+            return MigReconcile(tuple(round_.destroyed), tuple(round_.mig_off), tuple(round_.mig_on),
+                                tuple(round_.errors))
+
+    def _reconcile_card(self, index: int, mode: MigMode, wanted: Sequence[Wanted], now: float,
+                        round_: _Round) -> None:
+        grace = self.settings.mig_grace_s
+        if wanted:
+            self._unwanted.pop(index, None)
+        else:
+            self._unwanted.setdefault(index, now)
+        if not self._cards[index].mig_enabled:
+            self._forget_unheld(index, set())
+            if mode is MigMode.ON:
+                self._set_mig_mode(index, True, round_)
+            return
+        try:
+            present = self.backend.mig_instances(index)
+        except GpuBackendError as exc:
+            round_.fail(f"card {index}: {exc}")
+            return
+        held = held_instances(present, wanted)
+        keys = {(index, m.gpu_instance_id, m.profile_id, m.start) for m in present}
+        self._forget_unheld(index, keys)
+        remaining = len(present)
+        for instance in present:
+            key = (index, instance.gpu_instance_id, instance.profile_id, instance.start)
+            if instance in held:
+                self._unheld.pop(key, None)
+                continue
+            if now - self._unheld.setdefault(key, now) < grace:
+                continue
+            try:
+                self.backend.destroy_mig_instance(index, instance.gpu_instance_id)
+            except GpuBackendError as exc:
+                round_.fail(f"card {index}: destroying GPU instance {instance.gpu_instance_id}: {exc}")
+                continue
+            del self._unheld[key]
+            remaining -= 1
+            round_.destroyed.append(instance)
+            log.info("card %d: destroyed GPU instance %d (profile %d at %d): no live pod holds it",
+                     index, instance.gpu_instance_id, instance.profile_id, instance.start)
+        if (mode is MigMode.DYNAMIC and not remaining and index in self._unwanted
+                and now - self._unwanted[index] >= grace):
+            self._set_mig_mode(index, False, round_)
+
+    def _forget_unheld(self, card: int, present: set[tuple[int, int, int, int]]) -> None:
+        for key in [k for k in self._unheld if k[0] == card and k not in present]:
+            del self._unheld[key]
+
+    def _set_mig_mode(self, index: int, enabled: bool, round_: _Round) -> None:
+        word = "on" if enabled else "off"
+        try:
+            in_effect = self.backend.set_mig_mode(index, enabled)
+        except GpuBackendError as exc:
+            round_.fail(f"card {index}: MIG mode {word}: {exc}")
+            return
+        if not in_effect:
+            if index not in self._mig_pending:
+                log.warning("card %d: MIG mode %s waits for a GPU reset", index, word)
+                self._mig_pending.add(index)
+            return
+        self._mig_pending.discard(index)
+        self._cards[index] = replace(self._cards[index], mig_enabled=enabled)
+        (round_.mig_on if enabled else round_.mig_off).append(index)
+        log.info("card %d: MIG mode %s", index, word)
 
     def _model(self) -> CardModel:
         card = self._cards[0]
@@ -548,3 +700,17 @@ class DevicePlugin:
                 except OSError as exc:
                     log.warning("cannot create %s: %s", mount.host_path, exc)
 
+
+
+@dataclass(slots=True)
+class _Round:
+    """What a MIG reconcile round did so far."""
+
+    destroyed: list[MigInstance] = field(default_factory=list)
+    mig_off: list[int] = field(default_factory=list)
+    mig_on: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        log.warning("MIG reconcile: %s (left as it is; tried again next round)", message)
+        self.errors.append(message)

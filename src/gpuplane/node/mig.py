@@ -12,6 +12,9 @@ profile exceeds its maximum count.
 profile), places the rest at legal free starts, and destroys what is left over, searching all placements so
 that a plan exists whenever a legal layout does. `apply_plan` enables MIG mode if needed, destroys, then
 creates; failures come back as a `Status` with what was done so far.
+
+`held_instances` says which present instances the live pods' MIG shares hold (the device plugin's reconcile
+destroys the others after a grace period).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from gpuplane.model.catalog import MigProfile
 from gpuplane.node.gpu import DeviceBackend, GpuBackendError, MigInstance
 from gpuplane.port import Status
 
-__all__ = ["ApplyResult", "MigPlan", "Placement", "Wanted", "apply_plan", "layout_is_legal", "parse_profiles",
-           "plan_layout", "wanted_from_assignments"]
+__all__ = ["ApplyResult", "MigPlan", "Placement", "Wanted", "apply_plan", "held_instances", "layout_is_legal",
+           "parse_profiles", "plan_layout", "wanted_from_assignments"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,14 @@ def wanted_from_assignments(assignments: Iterable[Assignment], card: int) -> lis
     start)."""
     return [Wanted(share.mig_profile, share.mig_start) for a in assignments for share in a.cards
             if share.card == card and share.mig_profile is not None]
+
+
+def held_instances(present: Iterable[MigInstance], wanted: Iterable[Wanted]) -> tuple[MigInstance, ...]:
+    """The present instances some wanted instance may be: the one of its profile at its start, or, for one
+    wanted anywhere (which instance it got is not recorded), every instance of its profile."""
+    wanted = list(wanted)
+    return tuple(m for m in present
+                 if any(w.profile_id == m.profile_id and w.start in (None, m.start) for w in wanted))
 
 
 def layout_is_legal(model: CardModel, layout: Sequence[Placement]) -> Status:
