@@ -627,9 +627,22 @@ def classify(
 
 @app.command("node-guard")
 def node_guard(
-    config: Annotated[Path, typer.Option("--config", help="guard settings and containers (YAML)")],
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="guard settings and containers (YAML); with --from-pods, settings and any extra containers",
+    )] = None,
     metrics_port: Annotated[int | None, typer.Option(help="serve Prometheus metrics on this port")] = None,
     metrics_addr: Annotated[str, typer.Option(help="address the metrics server listens on")] = "0.0.0.0",
+    from_pods: Annotated[bool, typer.Option(
+        "--from-pods", help="guard the GPU pods running on this node (their QoS label, cards and pod cgroup)")] = False,
+    node_name: Annotated[str | None, typer.Option(envvar="NODE_NAME", help="this node (with --from-pods)")] = None,
+    kubeconfig: Annotated[Path | None, typer.Option(
+        help="kubeconfig (with --from-pods) [default: in-cluster, else ~/.kube/config]")] = None,
+    cgroup_driver: Annotated[str, typer.Option(
+        help="the kubelet's cgroup driver, systemd or cgroupfs: where pod cgroups are")] = "systemd",
+    cgroup_root: Annotated[Path, typer.Option(help="where the host's cgroup v2 tree is mounted")] = Path(
+        "/sys/fs/cgroup"),
+    refresh_s: Annotated[float, typer.Option(
+        help="rebuild the pod containers at least this often (changes the watch brings apply at once)")] = 5.0,
 ) -> None:
     """Run the co-location guard on this node's GPUs (NVML) until Ctrl-C or SIGTERM."""
     import logging
@@ -637,10 +650,33 @@ def node_guard(
     import threading
 
     from gpuplane.node.gpu import NvmlBackend
-    from gpuplane.node.guard import ColocationGuard, load_guard_config
+    from gpuplane.node.guard import ColocationGuard, GuardConfig, load_guard_config
 
+    if config is None and not from_pods:
+        _fail("--config: give the guard's configuration, or take its containers from the pods: --from-pods")
+    if from_pods and not node_name:
+        _fail("--node-name: needed with --from-pods (or set $NODE_NAME)")
+    if cgroup_driver not in ("systemd", "cgroupfs"):
+        _fail(f"--cgroup-driver: systemd or cgroupfs, got {cgroup_driver!r}")
+    if refresh_s <= 0:
+        _fail(f"--refresh-s: must be above 0, got {refresh_s:g}")
+    if kubeconfig is not None and not kubeconfig.is_file():
+        _fail(f"--kubeconfig {kubeconfig}: no such file")
     try:
-        settings = load_guard_config(config)
+        settings = load_guard_config(config) if config is not None else GuardConfig()
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    if not settings.containers and not from_pods:
+        _fail(f"{config}: containers: none listed; list them, or take them from the node's pods: --from-pods")
+    if from_pods:
+        from gpuplane.kube.api import KubeConfigError, connect_api
+        from gpuplane.node.pod_containers import CgroupLayout, PodContainerSource
+
+        try:
+            api = connect_api(str(kubeconfig) if kubeconfig is not None else None)
+        except KubeConfigError as exc:
+            _fail(f"--kubeconfig: cannot load a configuration: {exc}")
+    try:
         backend = NvmlBackend()
     except GpuplaneError as exc:
         _fail(str(exc))
@@ -653,12 +689,30 @@ def node_guard(
             backend.close()
             _fail(f"--metrics-port {metrics_port}: {exc}")
     stop = threading.Event()
+    source, feeder = None, None
+    if from_pods:
+        assert node_name is not None
+        layout = CgroupLayout("cgroupfs" if cgroup_driver == "cgroupfs" else "systemd", cgroup_root)
+        source = PodContainerSource(api, node_name, layout,
+                                    static=settings.containers, refresh_s=refresh_s, registry=guard.registry)
+        source.start()
+        if source.wait_synced(30.0):
+            guard.update_containers(source.containers())  # guarded from the first pass
+        else:
+            logging.getLogger(__name__).warning("the node's pods are not listed yet: %s", source.informer.last_error)
+        feeder = threading.Thread(target=source.run, args=(guard, stop), name="pod containers", daemon=True)
+        feeder.start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         guard.run(stop)
     except KeyboardInterrupt:
         pass
     finally:
+        stop.set()
+        if source is not None:
+            source.stop()
+        if feeder is not None:
+            feeder.join(timeout=5)
         guard.stop(guard.clock())
         backend.close()
 

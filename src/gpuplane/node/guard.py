@@ -19,6 +19,7 @@ guard neither leaves processes stopped for ever nor forgets a pending kill. Time
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -107,9 +108,12 @@ class ContainerSpec(BaseModel):
 
 
 class GuardConfig(BaseModel):
+    """The guard's options and its containers; none at all is a guard that takes them from the node's pods
+    (`gpuplane.node.pod_containers`, through `ColocationGuard.update_containers`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     guard: GuardOptions = GuardOptions()
-    containers: tuple[ContainerSpec, ...] = Field(min_length=1)
+    containers: tuple[ContainerSpec, ...] = ()
 
     @model_validator(mode="after")
     def _distinct(self) -> GuardConfig:
@@ -125,8 +129,13 @@ class GuardConfig(BaseModel):
 
 
 def load_guard_config(path: str | Path) -> GuardConfig:
-    """Read a guard configuration (YAML); raises `GuardConfigError("FILE: field: message")`."""
-    return load_yaml_model(path, GuardConfig, GuardConfigError)
+    """Read a guard configuration (YAML); raises `GuardConfigError("FILE: field: message")`. `containers` may be
+    left out (they come from the node's pods then), but an empty list is refused as a mistake."""
+    config = load_yaml_model(path, GuardConfig, GuardConfigError)
+    if "containers" in config.model_fields_set and not config.containers:
+        raise GuardConfigError(f"{path}: containers: Tuple should have at least 1 item (or leave containers out "
+                               "and take them from the node's pods: --from-pods)")
+    return config
 
 
 class GuardActionKind(enum.Enum):
@@ -216,7 +225,8 @@ class _StateFile(BaseModel):
 
 
 class ColocationGuard:
-    """Guards the cards of one node. `tick(now)` is one pass; `run` ticks every poll period.
+    """Guards the cards of one node. `tick(now)` is one pass; `run` ticks every poll period;
+    `update_containers` replaces the containers while it runs (from the node's pods, say).
 
     `clock` times reactions (and, in `run`, the passes); `actions` lists every action taken."""
 
@@ -240,31 +250,50 @@ class ColocationGuard:
         self._dirty = False
         self._started = False
         self._state_corrupt = False
-        records = self._load_state()
+        self._records = self._load_state()
+        """Recorded containers not yet taken over: restored when `update_containers` brings them."""
+        self._pending: GuardConfig | None = None
+        self._pending_lock = threading.Lock()
         for spec in config.containers:
             if spec.qos == "offline":
-                self._offline[spec.name] = self._restore(spec, records.get(spec.name))
+                self._offline[spec.name] = self._restore(spec, self._records.pop(spec.name, None))
 
     # -- the pass ---------------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         """One pass at time `now`: read every card, decide, act. Never raises for a failed reading or a
         vanished process."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._reconfigure(now, pending)
         if not self._started:
             self._started = True
             if self._state_corrupt:
-                self._continue_stopped(now)
+                self._continue_stopped(now, list(self._offline.values()))
         try:
             readings = {r.index: r for r in self.backend.cards()}
         except GpuBackendError as exc:
             self._backend_error(str(exc))
             self._save()
             return
-        owners = {pid: spec for spec in self._online for pid in container_pids(spec.pids, spec.cgroup)}
+        # PID -> card -> container: the containers of a pod on several cards share its processes.
+        owners: dict[int, dict[int, ContainerSpec]] = {}
+        for spec in self._online:
+            for pid in container_pids(spec.pids, spec.cgroup):
+                owners.setdefault(pid, {})[spec.card] = spec
         for tracked in self._offline.values():
-            if tracked.state is not OfflineState.GONE:
+            if tracked.state is OfflineState.GONE:
+                if tracked.spec.cgroup is None:
+                    continue
                 self._refresh(tracked)
-                owners.update((pid, tracked.spec) for pid in tracked.pids)
+                if not tracked.pids:
+                    continue
+                self._revive(tracked, now)
+            else:
+                self._refresh(tracked)
+            for pid in tracked.pids:
+                owners.setdefault(pid, {})[tracked.spec.card] = tracked.spec
         for card in self._arbiters:
             reading = readings.get(card)
             if reading is None:
@@ -272,6 +301,15 @@ class ColocationGuard:
                 continue
             self._card(now, reading, owners)
         self._save()
+
+    def update_containers(self, containers: Sequence[ContainerSpec]) -> None:
+        """Guard these containers from the next pass on (callable from any thread). A new offline container
+        starts running (or as the state file recorded it); one no longer listed is let go, and if it was
+        suspended its processes are continued first, so that a pod being deleted can handle its SIGTERM.
+        Raises `ValueError` for containers a configuration could not hold (a name twice, a PID twice)."""
+        config = GuardConfig(guard=self.config.guard, containers=tuple(containers))
+        with self._pending_lock:
+            self._pending = config
 
     def run(self, stop: threading.Event, *, sleep: Callable[[float], object] | None = None) -> None:
         """Tick every poll period until `stop` is set; `sleep` defaults to waiting on `stop`."""
@@ -297,7 +335,7 @@ class ColocationGuard:
 
     # -- one card ---------------------------------------------------------------------------------------
 
-    def _card(self, now: float, reading: CardReading, owners: dict[int, ContainerSpec]) -> None:
+    def _card(self, now: float, reading: CardReading, owners: dict[int, dict[int, ContainerSpec]]) -> None:
         card = reading.index
         options = self.config.guard
         offline = [t for t in self._offline.values() if t.spec.card == card and t.state is not OfflineState.GONE]
@@ -306,11 +344,12 @@ class ColocationGuard:
         online_bytes = 0
         unknown: set[int] = set()
         for process in reading.processes:
-            spec = owners.get(process.pid)
-            if spec is None:
+            by_card = owners.get(process.pid)
+            if by_card is None:
                 unknown.add(process.pid)
                 continue
-            if spec.card != card:
+            spec = by_card.get(card)
+            if spec is None:
                 continue
             use = usage.setdefault(spec.name, _Usage())
             use.used_bytes += process.used_bytes or 0
@@ -377,7 +416,11 @@ class ColocationGuard:
             self.metrics.suspensions.labels(**labels).inc()
             self._record(now, GuardActionKind.SUSPEND, spec, tracked.pids, reason)
         elif state is OfflineState.RUNNING:
-            self._signal(tracked, signal.SIGCONT)
+            holder = self._suspended_sibling(tracked)
+            if holder is None:
+                self._signal(tracked, signal.SIGCONT)
+            else:
+                reason += f" (its processes stay stopped: suspended for card {holder.spec.card} too)"
             self.metrics.resumptions.labels(**labels).inc()
             self._record(now, GuardActionKind.RESUME, spec, tracked.pids, reason)
         elif state is OfflineState.EVICTING:
@@ -402,6 +445,88 @@ class ColocationGuard:
         self._signal(tracked, signal.SIGKILL)
         self.metrics.kills.inc()
         self._record(now, GuardActionKind.KILL, tracked.spec, tracked.pids, reason)
+
+    # -- the containers ---------------------------------------------------------------------------------
+
+    def _reconfigure(self, now: float, config: GuardConfig) -> None:
+        """Take over `update_containers`' list: let go of what is gone, start tracking what is new."""
+        if config.containers == self.config.containers and not self._records:
+            return
+        listed = {c.name: c for c in config.containers if c.qos == "offline"}
+        for name, tracked in list(self._offline.items()):
+            spec = listed.get(name)
+            if spec is not None and spec.card == tracked.spec.card:
+                tracked.spec = spec
+                continue
+            self._let_go(tracked, now)
+        added = []
+        for name, spec in listed.items():
+            if name not in self._offline:
+                tracked = self._restore(spec, self._records.pop(name, None))
+                self._offline[name] = tracked
+                added.append(tracked)
+                self._dirty = True
+        if self._state_corrupt and self._started:
+            self._continue_stopped(now, added)
+        for name, record in self._records.items():
+            self._continue_recorded(now, name, record)
+        self._records = {}
+        self._online = [c for c in config.containers if c.qos == "online"]
+        self._over_quota &= {c.name for c in self._online}
+        settings = config.guard.settings()
+        cards = {c.card for c in config.containers}
+        for card in set(self._arbiters) - cards:
+            del self._arbiters[card], self._memory[card], self._unknown[card]
+            with contextlib.suppress(KeyError):
+                self.metrics.threshold.remove(str(card))
+        for card in sorted(cards - set(self._arbiters)):
+            self._arbiters[card] = SliceArbiter(settings.min_slice_s)
+            self._memory[card] = MemoryGuard(settings)
+            self._unknown[card] = set()
+        self.config = config
+
+    def _let_go(self, tracked: _Offline, now: float) -> None:
+        """Stop guarding an offline container; a suspended one is continued first (its pod is ending, and a
+        stopped process would handle the kubelet's SIGTERM only when SIGKILL ends it)."""
+        spec = tracked.spec
+        if tracked.state is OfflineState.SUSPENDED:
+            self._refresh(tracked)
+            self._apply(tracked, OfflineEvent.ONLINE_IDLE, now, "no longer guarded (its pod is ending)")
+        del self._offline[spec.name]
+        with contextlib.suppress(KeyError):
+            self.metrics.suspended.remove(str(spec.card), spec.name)
+        self._dirty = True
+        log.info("forget container=%s card=%d reason=no longer listed", spec.name, spec.card)
+
+    def _continue_recorded(self, now: float, name: str, record: _Record) -> None:
+        """A container the state file recorded that is no longer listed: continue its recorded processes that
+        are still stopped (same PID, same start time), never leaving them stopped."""
+        stopped = []
+        for recorded in record.pids:
+            stat = read_stat(recorded.pid)
+            if stat is not None and stat.start_ticks == recorded.start_ticks and stat.state is ProcessState.STOPPED:
+                stopped.append(recorded.pid)
+        if stopped:
+            spec = ContainerSpec(name=name, card=record.card, qos="offline", pids=tuple(stopped))
+            self._signal_pids(spec, stopped, signal.SIGCONT)
+            self._record(now, GuardActionKind.RESUME, spec, tuple(stopped),
+                         "recorded as stopped, no longer listed: continued")
+
+    def _revive(self, tracked: _Offline, now: float) -> None:
+        """A forgotten cgroup container whose cgroup has processes again (a restarted container of a pod)."""
+        tracked.state, tracked.since, tracked.killed = OfflineState.RUNNING, now, False
+        self._dirty = True
+        log.info("track container=%s card=%d pids=%s reason=its cgroup has processes again", tracked.spec.name,
+                 tracked.spec.card, list(tracked.pids))
+
+    def _suspended_sibling(self, tracked: _Offline) -> _Offline | None:
+        """Another suspended container with the same cgroup (a pod on several cards): its processes stay stopped
+        until every card it uses lets them run."""
+        cgroup = tracked.spec.cgroup
+        if cgroup is None:
+            return None
+        return next((t for t in self._offline.values() if t is not tracked and t.spec.cgroup == cgroup
+                     and t.state is OfflineState.SUSPENDED), None)
 
     # -- processes --------------------------------------------------------------------------------------
 
@@ -447,9 +572,9 @@ class ColocationGuard:
             if signal_process(pid, sig) is SignalResult.DENIED:
                 log.warning("%s to pid %d of container %s was denied", sig.name, pid, spec.name)
 
-    def _continue_stopped(self, now: float) -> None:
-        """After losing the state file: continue every stopped process of the offline containers."""
-        for tracked in self._offline.values():
+    def _continue_stopped(self, now: float, containers: Sequence[_Offline]) -> None:
+        """After losing the state file: continue every stopped process of these offline containers."""
+        for tracked in containers:
             stopped = []
             for pid in container_pids(tracked.spec.pids, tracked.spec.cgroup):
                 stat = read_stat(pid)
