@@ -243,13 +243,15 @@ OPERATOR_CRS = {"gpupools", "tidalpolicies", "colocationpolicies"}
 
 REQUIRED: dict[str, set[Grant]] = {
     # The extender (KubeCluster): informer cache (list+watch), the assignment annotations patched on the pod
-    # before the bind, the bind itself (POST pods/<p>/binding), card-level preemption (POST pods/<p>/eviction).
+    # before the bind, the bind itself (POST pods/<p>/binding), card-level preemption (POST pods/<p>/eviction),
+    # and the GpuPools' settings (gpuplane.kube.pools.PoolSync: an informer on gpupools).
     # kube-scheduler's leader election on the Lease its config names: get/update by name here, `create` comes
     # with system:kube-scheduler, as does pods/status (KubeCluster.fail_pod, for a gang that timed out).
     "gpuplane-scheduler": _POD_CACHE | {
         ("patch", "", "pods", "cluster", None),
         ("create", "", "pods/binding", "cluster", None),
         ("create", "", "pods/eviction", "cluster", None),
+        *{(v, "gpuplane.io", "gpupools", "cluster", None) for v in ("get", "list", "watch")},
     } | _lease(*_scheduler_lease(), create=False),
     # gpuplane.kube.operator: its policies (informers) and their status (PATCH .../status); the tidal controller
     # through KubeCluster: node patches (loan labels, taints), pod-deletion-cost patches before a scale-down,
@@ -264,10 +266,12 @@ REQUIRED: dict[str, set[Grant]] = {
         *{("patch", "gpuplane.io", f"{r}/status", "cluster", None) for r in OPERATOR_CRS},
     } | _lease(NAMESPACE, "gpuplane-operator"),
     # The device plugin: its node's pods (fieldSelector at run time), their bind phase, its node's inventory.
+    # The guard (--from-pods): the same pods, its node's labels, the ColocationPolicies (gpuplane.node.node_policy).
     "gpuplane-node-agent": {
         *{(v, "", "pods", "cluster", None) for v in ("get", "list", "watch", "patch")},
         ("get", "", "nodes", "cluster", None),
         ("patch", "", "nodes", "cluster", None),
+        *{(v, "gpuplane.io", "colocationpolicies", "cluster", None) for v in ("get", "list", "watch")},
     },
     "gpuplane-webhook": set(),
     "gpuplane-scaler": set(),
@@ -599,8 +603,10 @@ def test_the_guard_and_scaler_configmaps_load_with_their_commands_own_loaders(tm
     guard = tmp_path / "guard.yaml"
     guard.write_text(_one("ConfigMap", "gpuplane-node-guard")["data"]["guard.yaml"], encoding="utf-8")
     config = load_guard_config(guard)
-    # As shipped the guard only watches: it signals offline containers only, and lists none.
-    assert all(c.qos == "online" for c in config.containers)
+    # The ConfigMap holds thresholds only: the guard takes its containers from the node's pods.
+    assert not config.containers
+    (guard_container,) = [c for c in _containers(_one("DaemonSet", "gpuplane-node-agent")) if c["name"] == "node-guard"]
+    assert "--from-pods" in guard_container["args"]
     scaler = tmp_path / "scaler.yaml"
     scaler.write_text(_one("ConfigMap", "gpuplane-scaler")["data"]["scaler.yaml"], encoding="utf-8")
     assert load_scaler_config(scaler).scaled_objects

@@ -1,7 +1,8 @@
 """The operator against the local API server in virtual time: the leader applies a TidalPolicy through KubeCluster
 (nodes get the loan labels, taints and annotations; deployments are scaled; training pods are evicted at reclaim),
-the follower does nothing, an invalid resource gets a status condition naming the field, and a new operator
-instance rebuilds its state from the API and makes the same decisions as the one it replaced."""
+labels the nodes of each GpuPool (`gpuplane.io/pool`; conflicts reported, others' labels and lent nodes left
+alone), the follower does nothing, an invalid resource gets a status condition naming the field, and a new
+operator instance rebuilds its state from the API and makes the same decisions as the one it replaced."""
 
 from __future__ import annotations
 
@@ -213,8 +214,9 @@ def test_the_follower_takes_over_when_the_leader_shuts_down(server: FakeApiServe
 # ------------------------------------------------------------------ invalid resources
 def test_an_invalid_resource_gets_a_condition_naming_the_field_and_is_not_applied(server: FakeApiServer) -> None:
     server.mutate("tidalpolicies", "ml/night", lambda obj: obj.update(tidal_policy("25:00", generation=2)))
+    # The pool of the tidal nodes, named as they are labelled already: valid, and nothing to write.
     server.add_object(f"{CRS}/gpupools", {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool",
-                                          "metadata": {"name": "tidal", "generation": 1},
+                                          "metadata": {"name": "inference-tidal", "generation": 1},
                                           "spec": {"models": ["A100-40GB"], "nodeSelector": {SUBSET_LABEL: "tidal"}}})
     server.add_object(f"{CRS}/gpupools", {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool",
                                           "metadata": {"name": "bad"},
@@ -232,8 +234,9 @@ def test_an_invalid_resource_gets_a_condition_naming_the_field_and_is_not_applie
         assert not server.requests_to(r"/deployments/.*/scale$", "PATCH")
         bad = condition(server, "gpupools", "bad", "Valid")
         assert (bad["status"], bad["observedGeneration"]) == ("False", 1) and bad["message"].startswith("spec.split: ")
-        assert condition(server, "gpupools", "tidal", "Valid")["status"] == "True"
-        assert status(server, "gpupools", "tidal")["nodes"] == 3
+        assert condition(server, "gpupools", "bad", "Applied")["reason"] == "InvalidSpec"
+        assert condition(server, "gpupools", "inference-tidal", "Valid")["status"] == "True"
+        assert status(server, "gpupools", "inference-tidal")["nodes"] == 3
 
         # fixed: the next pass applies it
         server.mutate("tidalpolicies", "ml/night", lambda obj: obj.update(tidal_policy(generation=3)))
@@ -366,3 +369,188 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str) -> None
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+# ------------------------------------------------------------------ GpuPools
+def gpu_pool(name: str, selector: dict[str, str], models: tuple[str, ...] = ("A100-40GB",),
+             **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "gpuplane.io/v1alpha1", "kind": "GpuPool", "metadata": {"name": name},
+            "spec": {"models": list(models), "nodeSelector": selector, **spec}}
+
+
+def pool_world(server: FakeApiServer) -> None:
+    """Team a's nodes: a-0, a-1 (A100-40GB), a-h (H100-80GB: not a model of pool a), a-x (also in zone x: pool
+    dev selects it too), a-hand (labelled pool=manual by someone else); a-lent (lent by the tidal controller:
+    pool training, loan label); b-0 (team b). Pools a (team=a, A100-40GB) and dev (zone=x)."""
+    team_a = {"team": "a"}
+    server.add_node(node_json("a-0", labels=team_a))
+    server.add_node(node_json("a-1", labels=team_a))
+    server.add_node(node_json("a-h", model="H100-80GB", labels=team_a))
+    server.add_node(node_json("a-x", labels={**team_a, "zone": "x"}))
+    server.add_node(node_json("a-hand", labels={**team_a, POOL_LABEL: "manual"}))
+    server.add_node(node_json("a-lent", labels={**team_a, POOL_LABEL: "training", LOAN_LABEL: "lent"}))
+    server.add_node(node_json("b-0", labels={"team": "b"}))
+    server.add_object(f"{CRS}/gpupools", gpu_pool("a", team_a, oversubscriptionRatio=2.0))
+    server.add_object(f"{CRS}/gpupools", gpu_pool("dev", {"zone": "x"}))
+
+
+def pool_labels(server: FakeApiServer) -> dict[str, str | None]:
+    return {n: node(server, n)["metadata"]["labels"].get(POOL_LABEL) for n in server.keys("nodes")}
+
+
+def node_patches(server: FakeApiServer) -> list[tuple[str, str, Any]]:
+    return server.requests_to(r"^/api/v1/nodes/", "PATCH")
+
+
+def statuses_seen(op: Operator) -> bool:
+    """Whether the operator's GpuPool informer holds the statuses it wrote (so a pass compares with them)."""
+    return all(o.get("status", {}).get("conditions") for o in op.informers["GpuPool"].objects())
+
+
+@pytest.fixture
+def pools() -> Iterator[FakeApiServer]:
+    with api_server() as fake:
+        pool_world(fake)
+        yield fake
+
+
+BEFORE = {"a-0": None, "a-1": None, "a-h": None, "a-x": None, "a-hand": "manual", "a-lent": "training", "b-0": None}
+AFTER = {**BEFORE, "a-0": "a", "a-1": "a"}
+"""a-0, a-1: pool a alone selects them. a-h: no pool (H100 is not a model of a). a-x: a and dev (conflict).
+a-hand: someone else's label. a-lent: lent. b-0: no pool."""
+
+
+def test_the_leader_labels_each_pools_nodes_and_reports_them(pools: FakeApiServer) -> None:
+    op = operator(pools, VirtualClock(MIDNIGHT), "a")
+    try:
+        op.tick()
+        assert pool_labels(pools) == AFTER
+        assert sorted(r[1] for r in node_patches(pools)) == ["/api/v1/nodes/a-0", "/api/v1/nodes/a-1"]
+        a = status(pools, "gpupools", "a")
+        assert (a["nodes"], a["models"]) == (2, ["A100-40GB"])
+        assert condition(pools, "gpupools", "a", "Applied")["status"] == "True"
+        conflict = condition(pools, "gpupools", "a", "Conflict")
+        assert (conflict["status"], conflict["reason"]) == ("True", "OverlappingPools")
+        assert "nodes a-x are also selected by GpuPool dev" in conflict["message"]
+        assert f"nodes a-hand carry {POOL_LABEL}=manual" in conflict["message"]
+        assert "a-lent" not in conflict["message"]
+        dev = status(pools, "gpupools", "dev")
+        assert (dev["nodes"], dev["models"]) == (0, [])
+        assert "nodes a-x are also selected by GpuPool a" in condition(pools, "gpupools", "dev", "Conflict")["message"]
+    finally:
+        op.shutdown()
+
+
+def test_a_second_pass_writes_nothing(pools: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT)
+    op = operator(pools, clock, "a")
+    try:
+        op.tick()
+        wait_for(lambda: statuses_seen(op), "the pools' statuses")
+        writes = decisions(pools, 0), pools.requests_to(r"/gpupools/.*/status$", "PATCH")
+        clock.at(1)
+        op.tick()
+        assert (decisions(pools, 0), pools.requests_to(r"/gpupools/.*/status$", "PATCH")) == writes
+        assert len(writes[1]) == 2  # one status write per pool, on the first pass
+    finally:
+        op.shutdown()
+
+
+def test_a_node_the_pool_no_longer_selects_loses_the_label_only_if_it_names_the_pool(pools: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT)
+    op = operator(pools, clock, "a")
+    try:
+        op.tick()
+        assert pool_labels(pools) == AFTER
+        pools.mutate("gpupools", "a", lambda obj: obj["spec"].update(nodeSelector={"team": "b"}))
+        wait_for(lambda: all(o["spec"]["nodeSelector"] == {"team": "b"} for o in op.informers["GpuPool"].objects()
+                             if o["metadata"]["name"] == "a"), "the new selector")
+        since = len(pools.requests)
+        clock.at(1)
+        op.tick()
+        # a-0, a-1 leave (their label names a); b-0 joins; a-hand (manual) and a-lent (training) untouched;
+        # a-x is dev's alone now: labelled dev.
+        assert pool_labels(pools) == {**BEFORE, "b-0": "a", "a-x": "dev"}
+        patched = sorted(r[1].rsplit("/", 1)[1] for r in pools.requests[since:]
+                         if r[0] == "PATCH" and r[1].startswith("/api/v1/nodes/"))
+        assert patched == ["a-0", "a-1", "a-x", "b-0"]
+        assert condition(pools, "gpupools", "dev", "Conflict")["status"] == "False"
+        assert status(pools, "gpupools", "dev")["nodes"] == 1
+        assert status(pools, "gpupools", "a")["nodes"] == 1
+    finally:
+        op.shutdown()
+
+
+def test_lent_nodes_and_others_labels_are_never_touched(pools: FakeApiServer) -> None:
+    # A pool named after the tidal controller's training pool, selecting the lent node: still the loan's.
+    pools.add_object(f"{CRS}/gpupools", gpu_pool("training", {"team": "nobody"}))
+    pools.add_object(f"{CRS}/gpupools", gpu_pool("hand", {"kubernetes.io/hostname": "a-hand"}))
+    op = operator(pools, VirtualClock(MIDNIGHT), "a")
+    try:
+        op.tick()
+        # pool training selects nothing, yet a-lent keeps pool=training (lent: skipped); a-hand is selected by a
+        # and hand (a conflict) and keeps the label someone else set.
+        labels = pool_labels(pools)
+        assert (labels["a-lent"], labels["a-hand"]) == ("training", "manual")
+        assert not any(r[1].endswith(("/a-lent", "/a-hand")) for r in node_patches(pools))
+        assert node(pools, "a-lent")["metadata"]["labels"][LOAN_LABEL] == "lent"
+        assert status(pools, "gpupools", "training")["nodes"] == 0
+    finally:
+        op.shutdown()
+
+
+def test_a_failed_label_write_is_reported_and_retried(pools: FakeApiServer) -> None:
+    pools.fail_next("PATCH", r"^/api/v1/nodes/a-1$", 500, "InternalError")
+    clock = VirtualClock(MIDNIGHT)
+    op = operator(pools, clock, "a")
+    try:
+        op.tick()
+        applied = condition(pools, "gpupools", "a", "Applied")
+        assert (applied["status"], applied["reason"]) == ("False", "PatchFailed") and "a-1" in applied["message"]
+        assert status(pools, "gpupools", "a")["nodes"] == 1
+        wait_for(lambda: statuses_seen(op), "the pools' statuses")
+        clock.at(1)
+        op.tick()
+        assert pool_labels(pools) == AFTER
+        assert condition(pools, "gpupools", "a", "Applied")["status"] == "True"
+        assert status(pools, "gpupools", "a")["nodes"] == 2
+    finally:
+        op.shutdown()
+
+
+def test_the_follower_labels_nothing(pools: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT)
+    leader, follower = operator(pools, clock, "a"), operator(pools, clock, "b")
+    try:
+        leader.tick()
+        pools.mutate("nodes", "a-0", lambda obj: obj["metadata"]["labels"].pop(POOL_LABEL))
+        writes = [r for r in pools.requests if r[0] != "GET"]
+        clock.at(1)
+        follower.tick()
+        assert not follower.leading
+        assert [r for r in pools.requests if r[0] != "GET"] == writes
+        assert pool_labels(pools)["a-0"] is None  # nobody put it back
+    finally:
+        leader.shutdown()
+        follower.shutdown()
+
+
+def test_a_new_operator_makes_the_same_labels_without_flapping(pools: FakeApiServer) -> None:
+    clock = VirtualClock(MIDNIGHT)
+    first = operator(pools, clock, "a")
+    try:
+        first.tick()
+    finally:
+        first.shutdown()
+    labels = pool_labels(pools)
+    since = len(pools.requests)
+    clock.at(1)
+    second = operator(pools, clock, "b")
+    try:
+        second.tick()
+        assert second.leading
+        assert pool_labels(pools) == labels == AFTER
+        assert decisions(pools, since) == []   # no node written: nothing to change, nothing taken off and back
+        assert not [r for r in pools.requests[since:] if r[0] == "PATCH" and "/gpupools/" in r[1]]  # nor statuses
+    finally:
+        second.shutdown()

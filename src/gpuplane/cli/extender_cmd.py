@@ -37,6 +37,7 @@ from gpuplane.kube.extender import (
     scheduler_config,
 )
 from gpuplane.kube.objects import GPU_MODELS, RES_CORES, RES_GPU, RES_MEM, object_key
+from gpuplane.kube.pools import PoolSync
 from gpuplane.model import (
     Catalog,
     Fraction,
@@ -107,7 +108,10 @@ def register(app: typer.Typer) -> None:
             "--print-config", help="print the KubeSchedulerConfiguration that calls this extender, and exit")]
             = False,
     ) -> None:
-        """Serve kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) over the cluster's API."""
+        """Serve kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) over the cluster's API.
+
+        Per-pool settings come from the GpuPools (`oversubscriptionRatio`: card memory promised per byte on
+        nodes labelled `gpuplane.io/pool: <pool>`), watched while serving; invalid ones are logged and skipped."""
         if not 0 <= port <= 65535:
             _fail(f"--port: must be 0…65535, got {port}")
         if print_config:
@@ -124,15 +128,22 @@ def register(app: typer.Typer) -> None:
         cluster = _kube_cluster(catalog, str(kubeconfig) if kubeconfig is not None else None, context)
         core = Extender(cluster, catalog, profile, seed=seed, now=time.time, subscribe_lock=cluster.lock,
                         uid_names=lambda uid: _pod_by_uid(cluster, uid))
+        # The GpuPools' settings (memory oversubscription) per pool label, kept current while serving.
+        pools = PoolSync(cluster.api, catalog, core, subscribe_lock=cluster.lock)
+        pools.start()
         server = ExtenderServer(core, host=host, port=port, prefix=prefix)
         gc.freeze()  # the cache is long-lived: keep the collector off it (fewer, shorter pauses)
+        table = core.scheduler.pools or {}
         typer.echo(f"gpuplane extender on {server.url} ({profile.name}; "
-                   f"{describe_nodes(core.scheduler.state.nodes)})", err=True)
+                   f"{describe_nodes(core.scheduler.state.nodes)}; GpuPools: "
+                   f"{', '.join(f'{k} ×{v.memory_oversell:g}' for k, v in sorted(table.items())) or 'none'})",
+                   err=True)
         try:
             server.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
+            pools.stop()
             core.close()
             cluster.close()
 

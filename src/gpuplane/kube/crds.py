@@ -189,7 +189,7 @@ class ColocationPolicySpec(BaseModel):
 class Condition(BaseModel):
     model_config = _CONFIG
 
-    type: str = Field(description="Valid or Applied.")
+    type: str = Field(description="Valid, Applied or (GpuPool) Conflict.")
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(description="CamelCase cause (InvalidSpec, Reconciled, NotLeader, ...).")
     message: str = ""
@@ -203,8 +203,9 @@ class ResourceStatus(BaseModel):
     model_config = _CONFIG
 
     observed_generation: int = Field(default=0, ge=0, description="The metadata.generation last processed.")
-    conditions: tuple[Condition, ...] = Field(default=(), description="Valid and Applied.")
+    conditions: tuple[Condition, ...] = Field(default=(), description="Valid, Applied and (GpuPool) Conflict.")
     nodes: int = Field(default=0, ge=0, description="Nodes the resource currently covers.")
+    models: tuple[str, ...] = Field(default=(), description="GpuPool: card models of its labelled nodes.")
     phase: str = Field(default="", description="TidalPolicy: day, shrink or lend.")
     lent_nodes: int = Field(default=0, ge=0, description="TidalPolicy: nodes lent to training now.")
 

@@ -2,12 +2,16 @@
 
 `Operator.tick()` is one pass of a small loop: tick the `LeaseElector`; while leader, read the custom resources
 (informers on `gpuplane.io/v1alpha1` GpuPools, TidalPolicies and ColocationPolicies), validate each
-(`crds.parse_resource`), run one `TidalController` per valid TidalPolicy through `KubeCluster`, and write each
-resource's `status` (observedGeneration; conditions `Valid` and, for TidalPolicies, `Applied`, with reasons).
-An invalid resource gets `Valid=False` with the field named and is not applied. While not leader it does
-nothing: no informers, no cluster cache, no writes. Losing the lease drops everything; the next leader (or
-this one, later) rebuilds its state from the API: the resources, the nodes' loan labels and annotations the
-tidal controller wrote (its ledger), and the pods.
+(`crds.parse_resource`), label the nodes of the valid GpuPools (`gpuplane.io/pool`, planned by
+`pools.plan_pools`: one pool per node, nodes two pools select and pool labels set by others are left alone,
+lent nodes are the tidal controller's), run one `TidalController` per valid TidalPolicy through `KubeCluster`,
+and write each resource's `status` (observedGeneration; conditions `Valid`, `Applied` for GpuPools and
+TidalPolicies, `Conflict` for GpuPools, with reasons; a GpuPool's labelled `nodes` and their `models`).
+An invalid resource gets `Valid=False` with the field named and is not applied. A pass that finds everything
+as it should be writes nothing. While not leader it does nothing: no informers, no cluster cache, no writes.
+Losing the lease drops everything; the next leader (or this one, later) rebuilds its state from the API: the
+resources, the nodes' pool labels, the loan labels and annotations the tidal controller wrote (its ledger),
+and the pods.
 
 Why a small loop rather than kopf: kopf's peering is a priority scheme on its own CRD, not a Lease lock, and
 it owns the event loop and the clock; the controllers here are already clock-driven reconcilers, and this
@@ -37,6 +41,7 @@ from gpuplane.controllers.tidal import SUBSET_LABEL, LoadForecast, TidalControll
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.crds import (
+    GPU_POOL,
     KINDS,
     TIDAL_POLICY,
     ColocationPolicySpec,
@@ -49,7 +54,8 @@ from gpuplane.kube.crds import (
 )
 from gpuplane.kube.informer import Informer
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
-from gpuplane.kube.objects import format_time, object_key
+from gpuplane.kube.objects import POOL_LABEL, format_time, object_key
+from gpuplane.kube.pools import PoolRule, conflict_message, plan_pools
 from gpuplane.model import Assignment, Catalog, PodRequest, Taint, default_catalog
 from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
 
@@ -159,10 +165,15 @@ class Operator:
         self.cluster.pump()
         seen: set[str] = set()
         for kind in KINDS:
+            pools: list[tuple[Resource, GpuPoolSpec, JsonObject]] = []
             for obj in self.informers[kind.kind].objects():
                 key = f"{kind.kind}/{object_key(obj)}"
                 seen.add(key)
-                self._reconcile(kind, key, obj)
+                resource = self._reconcile(kind, key, obj)
+                if resource is not None and isinstance(resource.spec, GpuPoolSpec):
+                    pools.append((resource, resource.spec, obj))
+            if kind is GPU_POOL:
+                self._apply_pools(pools)
         for key in set(self.tidal) - seen:
             del self.tidal[key]
         for key in set(self.resources) - seen:
@@ -204,7 +215,9 @@ class Operator:
         self.resources.clear()
 
     # ------------------------------------------------------------------ resources
-    def _reconcile(self, kind: Kind, key: str, obj: JsonObject) -> None:
+    def _reconcile(self, kind: Kind, key: str, obj: JsonObject) -> Resource | None:
+        """Validate one resource and apply it; a valid GpuPool is returned, not applied (`_apply_pools` takes
+        them all at once: a node's pool depends on every pool)."""
         generation = int((obj.get("metadata") or {}).get("generation") or 0)
         try:
             resource = parse_resource(obj, self.catalog)
@@ -212,17 +225,50 @@ class Operator:
             self.resources[key] = exc
             self.tidal.pop(key, None)
             conditions = [("Valid", False, "InvalidSpec", str(exc))]
-            if kind is TIDAL_POLICY:
+            if kind in (TIDAL_POLICY, GPU_POOL):
                 conditions.append(("Applied", False, "InvalidSpec", "not applied: the spec is invalid"))
             self._write_status(kind, obj, {"observedGeneration": generation}, conditions)
-            return
+            return None
         self.resources[key] = resource
         valid = ("Valid", True, "Valid", "")
         if isinstance(resource.spec, TidalPolicySpec):
             self._run_tidal(key, resource, resource.spec, obj, valid)
-        elif isinstance(resource.spec, GpuPoolSpec | ColocationPolicySpec):
+        elif isinstance(resource.spec, ColocationPolicySpec):
             nodes = self._nodes_matching(resource.spec.node_selector)
             self._write_status(kind, obj, {"observedGeneration": generation, "nodes": nodes}, [valid])
+        return resource
+
+    def _apply_pools(self, pools: Sequence[tuple[Resource, GpuPoolSpec, JsonObject]]) -> None:
+        """Label the valid GpuPools' nodes (`plan_pools`) and write each pool's status."""
+        assert self.cluster is not None
+        rules = {resource.name: PoolRule.of(spec, self.catalog) for resource, spec, _ in pools}
+        specs = {info.name: info.spec for info in self.cluster.list_nodes()}
+        plan = plan_pools(rules, specs.values())
+        failed: dict[str, dict[str, str]] = {}
+        """Pool → node → why its label could not be written (set for the pool, or removed as the pool's)."""
+        for node, target in plan.changes.items():
+            if target is not None:
+                status = self.cluster.patch_node(node, pool=target)
+            else:
+                status = self.cluster.patch_node(node, labels={POOL_LABEL: None})
+            if not status.ok:
+                pool = target if target is not None else dict(specs[node].labels).get(POOL_LABEL, "")
+                log.warning("GpuPool %s: %s node %s failed: %s", pool, "labelling" if target else "unlabelling",
+                            node, status.message)
+                failed.setdefault(pool, {})[node] = status.message
+        valid = ("Valid", True, "Valid", "")
+        for resource, _, obj in pools:
+            report = plan.reports[resource.name]
+            problems = failed.get(resource.name, {})
+            nodes = [n for n in report.nodes if n not in problems]
+            applied = (("Applied", False, "PatchFailed", "; ".join(f"{n}: {why}" for n, why in problems.items()))
+                       if problems else ("Applied", True, "Labelled", ""))
+            message = conflict_message(report)
+            reason = "OverlappingPools" if report.overlapping else "ForeignPoolLabel"
+            conflict = ("Conflict", True, reason, message) if message else ("Conflict", False, "NoConflict", "")
+            models = sorted({model for n in nodes if (model := specs[n].gpu_model) is not None})
+            self._write_status(GPU_POOL, obj, {"observedGeneration": resource.generation, "nodes": len(nodes),
+                                               "models": models}, [valid, applied, conflict])
 
     def _run_tidal(self, key: str, resource: Resource, spec: TidalPolicySpec, obj: JsonObject,
                    valid: tuple[str, bool, str, str]) -> None:
