@@ -644,10 +644,12 @@ def node_guard(
     refresh_s: Annotated[float, typer.Option(
         help="rebuild the pod containers at least this often (changes the watch brings apply at once)")] = 5.0,
 ) -> None:
-    """Run the co-location guard on this node's GPUs (NVML) until Ctrl-C or SIGTERM."""
+    """Run the co-location guard on this node's GPUs (NVML) until Ctrl-C or SIGTERM. With --from-pods, the
+    thresholds of the ColocationPolicy that selects the node replace the config file's."""
     import logging
     import signal
     import threading
+    import time
 
     from gpuplane.node.gpu import NvmlBackend
     from gpuplane.node.guard import ColocationGuard, GuardConfig, load_guard_config
@@ -670,6 +672,7 @@ def node_guard(
         _fail(f"{config}: containers: none listed; list them, or take them from the node's pods: --from-pods")
     if from_pods:
         from gpuplane.kube.api import KubeConfigError, connect_api
+        from gpuplane.node.node_policy import NodePolicySource
         from gpuplane.node.pod_containers import CgroupLayout, PodContainerSource
 
         try:
@@ -689,19 +692,30 @@ def node_guard(
             backend.close()
             _fail(f"--metrics-port {metrics_port}: {exc}")
     stop = threading.Event()
-    source, feeder = None, None
+    source, policies = None, None
+    feeders: list[threading.Thread] = []
     if from_pods:
         assert node_name is not None
         layout = CgroupLayout("cgroupfs" if cgroup_driver == "cgroupfs" else "systemd", cgroup_root)
         source = PodContainerSource(api, node_name, layout,
                                     static=settings.containers, refresh_s=refresh_s, registry=guard.registry)
+        policies = NodePolicySource(api, node_name, settings.guard, refresh_s=refresh_s, registry=guard.registry)
         source.start()
+        policies.start()
+        waited = time.monotonic()
         if source.wait_synced(30.0):
             guard.update_containers(source.containers())  # guarded from the first pass
         else:
             logging.getLogger(__name__).warning("the node's pods are not listed yet: %s", source.informer.last_error)
-        feeder = threading.Thread(target=source.run, args=(guard, stop), name="pod containers", daemon=True)
-        feeder.start()
+        if policies.wait_synced(max(0.0, 30.0 - (time.monotonic() - waited))) and policies.read_node():
+            guard.update_settings(policies.resolve().options)  # the node's policy from the first pass
+        else:
+            logging.getLogger(__name__).warning("the node's ColocationPolicy is not known yet, the config file's "
+                                                "thresholds apply: %s", policies.informer.last_error)
+        feeders = [threading.Thread(target=source.run, args=(guard, stop), name="pod containers", daemon=True),
+                   threading.Thread(target=policies.run, args=(guard, stop), name="node policy", daemon=True)]
+        for feeder in feeders:
+            feeder.start()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         guard.run(stop)
@@ -711,7 +725,9 @@ def node_guard(
         stop.set()
         if source is not None:
             source.stop()
-        if feeder is not None:
+        if policies is not None:
+            policies.stop()
+        for feeder in feeders:
             feeder.join(timeout=5)
         guard.stop(guard.clock())
         backend.close()

@@ -163,8 +163,9 @@ class ColocationPolicySpec(BaseModel):
     kill_grace_s: float = Field(default=10.0, ge=0, description="SIGKILL follows SIGTERM after this long.")
     online_sm_threshold_percent: float = Field(default=5.0, ge=0, le=100,
                                                description="An online process above this SM use is online demand.")
-    min_slice_s: float = Field(default=_GUARD.min_slice_s, ge=0, le=3600,
-                               description="Offline resumes only after online has been idle this long.")
+    min_slice_s: float = Field(default=0.25, ge=0, le=3600,
+                               description="Offline resumes only after online has been idle this long (the node "
+                                           "guard's default: five 50 ms polls, so one idle reading resumes nothing).")
     memory_guard: bool = Field(default=_GUARD.memory_guard, description="Evict offline work when card memory runs low.")
     safety_margin_bytes: int = Field(default=_GUARD.safety_margin_bytes, ge=0,
                                      description="Free memory always kept for online, on top of its expected growth.")

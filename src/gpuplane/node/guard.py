@@ -226,7 +226,8 @@ class _StateFile(BaseModel):
 
 class ColocationGuard:
     """Guards the cards of one node. `tick(now)` is one pass; `run` ticks every poll period;
-    `update_containers` replaces the containers while it runs (from the node's pods, say).
+    `update_containers` replaces the containers while it runs (from the node's pods, say), `update_settings`
+    its thresholds (from the node's ColocationPolicy).
 
     `clock` times reactions (and, in `run`, the passes); `actions` lists every action taken."""
 
@@ -253,6 +254,7 @@ class ColocationGuard:
         self._records = self._load_state()
         """Recorded containers not yet taken over: restored when `update_containers` brings them."""
         self._pending: GuardConfig | None = None
+        self._pending_options: GuardOptions | None = None
         self._pending_lock = threading.Lock()
         for spec in config.containers:
             if spec.qos == "offline":
@@ -265,8 +267,11 @@ class ColocationGuard:
         vanished process."""
         with self._pending_lock:
             pending, self._pending = self._pending, None
+            options, self._pending_options = self._pending_options, None
+        if options is not None:
+            self._retune(options)
         if pending is not None:
-            self._reconfigure(now, pending)
+            self._reconfigure(now, pending.model_copy(update={"guard": self.config.guard}))
         if not self._started:
             self._started = True
             if self._state_corrupt:
@@ -311,14 +316,21 @@ class ColocationGuard:
         with self._pending_lock:
             self._pending = config
 
+    def update_settings(self, options: GuardOptions) -> None:
+        """Use these options from the next pass on (callable from any thread); the state file stays the guard's
+        own. Only thresholds change, never the containers' states: a suspended container stays stopped until
+        online has been idle for the new minimum slice (counted from when it went idle), an eviction under
+        way keeps its SIGTERM time, and the online memory growth seen so far still counts."""
+        with self._pending_lock:
+            self._pending_options = options
+
     def run(self, stop: threading.Event, *, sleep: Callable[[float], object] | None = None) -> None:
         """Tick every poll period until `stop` is set; `sleep` defaults to waiting on `stop`."""
         pause = stop.wait if sleep is None else sleep
-        period = self.config.guard.poll_s
         while not stop.is_set():
             started = self.clock()
             self.tick(started)
-            pause(max(0.0, period - (self.clock() - started)))
+            pause(max(0.0, self.config.guard.poll_s - (self.clock() - started)))
 
     def stop(self, now: float) -> None:
         """Stop guarding. Without a state file no successor could resume the suspended containers, so they
@@ -484,6 +496,22 @@ class ColocationGuard:
             self._memory[card] = MemoryGuard(settings)
             self._unknown[card] = set()
         self.config = config
+
+    def _retune(self, options: GuardOptions) -> None:
+        """Take over `update_settings`' options: the cards' arbiters and memory guards keep what they have seen."""
+        options = options.model_copy(update={"state_file": self.config.guard.state_file})
+        if options == self.config.guard:
+            return
+        settings = options.settings()
+        for arbiter in self._arbiters.values():
+            arbiter.min_slice_s = settings.min_slice_s
+        for memory in self._memory.values():
+            memory.settings = settings
+        old = self.config.guard
+        changed = {name: getattr(options, name) for name in type(options).model_fields
+                   if getattr(options, name) != getattr(old, name)}
+        log.info("settings changed: %s", ", ".join(f"{name}={value}" for name, value in changed.items()))
+        self.config = self.config.model_copy(update={"guard": options})
 
     def _let_go(self, tracked: _Offline, now: float) -> None:
         """Stop guarding an offline container; a suspended one is continued first (its pod is ending, and a
