@@ -11,7 +11,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from gpuplane.kube.objects import (
     pod_request,
 )
 from gpuplane.model import Assignment, NodeSpec, PodRequest
-from gpuplane.port import PodPhase, Status
+from gpuplane.port import EventKind, NodeInfo, PodPhase, Status
 from gpuplane.scheduler import CycleState, Framework
 from gpuplane.sim.cluster import SimCluster
 from kubeapi_fake import FakeApiServer
@@ -437,6 +437,116 @@ def test_parallel_binds_never_over_allocate_a_card() -> None:
         for share in info.assignment.cards:
             milli[int(info.assignment.node[1:]), share.card] += share.compute_milli
     assert (milli <= 1000).all()
+
+
+class GatedPort(SimCluster):
+    """A world that records every bind it is sent and holds the binds of `gated` pods until `opened`; its
+    nodes can change shape (a node agent publishing a new inventory), which rebuilds the scheduler's cache."""
+
+    def __init__(self, specs: Sequence[NodeSpec], gated: set[str]) -> None:
+        super().__init__(CATALOG, list(specs))
+        self.gated = gated
+        self.sent: list[tuple[str, Assignment]] = []
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        self.sent.append((pod, assignment))
+        if pod in self.gated:
+            self.entered.set()
+            assert self.opened.wait(10)
+        return super().bind(pod, assignment, node_version=node_version)
+
+    def reshape(self, spec: NodeSpec) -> None:
+        info = self._nodes[spec.name]
+        self._nodes[spec.name] = NodeInfo(spec, info.resource_version + 1)
+        self._emit(EventKind.NODE_UPDATED, node=self._nodes[spec.name])
+
+
+def cards_sent_twice(sent: Sequence[tuple[str, Assignment]]) -> list[tuple[str, int]]:
+    seen: dict[tuple[str, int], str] = {}
+    twice = []
+    for pod, assignment in sent:
+        for card in assignment.card_indexes:
+            if seen.setdefault((assignment.node, card), pod) != pod:
+                twice.append((assignment.node, card))
+    return twice
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_cache_rebuilt_while_a_bind_is_in_flight_keeps_its_cards() -> None:
+    # n1 has one card. a's bind is in the port (held at the gate) when n2 changes shape, which rebuilds the
+    # cache from the lists, where a is still pending. b, filtered and bound meanwhile, must not get a's card.
+    world = GatedPort([node("n1").gpus(1).obj(), node("n2").gpus(1, model="T4").obj()], {"default/a"})
+    first, second = sample_pod("a"), sample_pod("b", models=("A100-40GB",))
+    pending(world, first)
+    pending(world, second)
+    with serving(world) as (extender, client):
+        results: dict[str, str] = {}
+
+        def bind(pod: dict[str, Any]) -> None:
+            results[pod["metadata"]["name"]] = extender.bind(ExtenderBindingArgs.decode(bind_args(pod, "n1"))).error
+
+        racer = threading.Thread(target=bind, args=(first,))
+        other = threading.Thread(target=bind, args=(second,))
+        racer.start()
+        try:
+            assert world.entered.wait(10)
+            world.reshape(node("n2").gpus(1, model="T4").cpu(16000).obj())
+            assert extender.scheduler.state.nodes[1].cpu_milli == 16000     # the cache was rebuilt
+            _, body = client.post("filter", args(second, ["n1"]))
+            if body["NodeNames"]:                                           # before the fix: a's card looked free
+                other.start()
+                wait_until(lambda: "default/b" in extender.scheduler.state.bindings or not other.is_alive())
+        finally:
+            world.opened.set()
+            racer.join()
+            if other.ident is not None:
+                other.join()
+    assert cards_sent_twice(world.sent) == [], world.sent
+    assert results["a"] == ""                                           # a kept its reservation and bound
+    assert body["NodeNames"] == [] and "default/b" not in results
+    assert world.state.check_invariants() == []
+
+
+def test_a_bind_whose_reservation_a_rebuild_dropped_fails_without_binding() -> None:
+    # c's bind holds the port; a is decided and assumed on n2 and waits for the port. n2 then loses its card:
+    # the rebuilt cache cannot hold a's reservation, so a's bind answers an error and never reaches the port.
+    world = GatedPort([node("n1").gpus(1).obj(), node("n2").gpus(1).obj()], {"default/c"})
+    first, blocker = sample_pod("a"), sample_pod("c")
+    pending(world, first)
+    pending(world, blocker)
+    with serving(world) as (extender, client):
+        assert client.post("filter", args(first, ["n2"]))[1]["NodeNames"] == ["n2"]   # its request is cached
+        results: dict[str, str] = {}
+
+        def bind(pod: dict[str, Any], target: str) -> None:
+            results[pod["metadata"]["name"]] = extender.bind(ExtenderBindingArgs.decode(bind_args(pod, target))).error
+
+        holder = threading.Thread(target=bind, args=(blocker, "n1"))
+        waiter = threading.Thread(target=bind, args=(first, "n2"))
+        holder.start()
+        try:
+            assert world.entered.wait(10)
+            waiter.start()
+            wait_until(lambda: "default/a" in extender.scheduler.state.bindings)
+            world.reshape(node("n2").cpu(64000).obj())                      # no cards any more
+            assert "default/a" not in extender.scheduler.state.bindings
+            assert extender.scheduler.state.bindings["default/c"].assignment.node == "n1"   # in flight: kept
+        finally:
+            world.opened.set()
+            holder.join()
+            if waiter.ident is not None:
+                waiter.join()
+    assert results == {"c": "", "a": "bind default/a to n2: no longer reserved (its cards were released while "
+                                      "the bind waited)"}
+    assert [pod for pod, _ in world.sent] == ["default/c"]
 
 
 # ------------------------------------------------------------------ preempt

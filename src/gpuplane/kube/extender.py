@@ -38,7 +38,8 @@ Concurrency: the scheduler's cache is guarded by one lock (`state_lock`), taken 
 port's watch events (delivered through a wrapper that takes it). Binds run under a second lock
 (`port_lock`, serialising calls into the port) *outside* the state lock: the cards are decided and assumed
 in the cache under the state lock, so filters never wait for an API round trip, and a failed bind gives
-the reservation back. Lock order is port, then state.
+the reservation back. Holding the port lock, a bind first checks that its reservation still stands (a rebuild of
+the cache drops those that no longer fit) and fails if not. Lock order is port, then state.
 """
 
 from __future__ import annotations
@@ -175,20 +176,27 @@ class ExtenderArgs:
     pod: dict[str, Any]
     nodes: dict[str, Any] | None = None
     node_names: list[str] | None = None
+    listed: tuple[list[dict[str, Any]], list[str]] | None = field(default=None, compare=False, repr=False)
+    """`Nodes`' items and their names as `decode` read them (a NodeList is walked once per request)."""
 
     @staticmethod
     def decode(doc: Any) -> ExtenderArgs:
         top = _object(doc, "ExtenderArgs")
         pod = _object(_get(top, "Pod"), "Pod")
         nodes = _optional_object(_get(top, "Nodes"), "Nodes")
-        if nodes is not None:
-            _node_items(nodes, "Nodes")
-        return ExtenderArgs(pod, nodes, _strings(_get(top, "NodeNames"), "NodeNames"))
+        listed = _node_items(nodes, "Nodes") if nodes is not None else None
+        return ExtenderArgs(pod, nodes, _strings(_get(top, "NodeNames"), "NodeNames"), listed)
+
+    def node_items(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """`Nodes`' items and their names (empty when no objects were sent)."""
+        if self.listed is not None:
+            return self.listed
+        return _node_items(self.nodes, "Nodes") if self.nodes is not None else ([], [])
 
     def names(self) -> list[str]:
         """The nodes asked about, in the order sent (from `Nodes` when objects were sent)."""
         if self.nodes is not None:
-            return _node_items(self.nodes, "Nodes")[1]
+            return self.node_items()[1]
         return self.node_names or []
 
     def encode(self) -> dict[str, Any]:
@@ -226,7 +234,8 @@ class ExtenderBindingArgs:
 
     @property
     def pod_key(self) -> str:
-        return f"{self.pod_namespace}/{self.pod_name}" if self.pod_namespace else self.pod_name
+        """`namespace/name`, as the model names pods; an empty namespace is `default` (as `split_key` reads a key)."""
+        return f"{self.pod_namespace or 'default'}/{self.pod_name}"
 
     @staticmethod
     def decode(doc: Any) -> ExtenderBindingArgs:
@@ -463,13 +472,7 @@ class Extender:
             if cached is not None and cached[0] == version:
                 request: PodRequest = cached[1]
                 return request
-        try:
-            request = pod_request(pod, self.catalog)
-        except ObjectError:
-            raise
-        except (TypeError, AttributeError, ValueError, ArithmeticError) as exc:
-            # An ill-typed field objects.py does not check (the API server's validation keeps these out).
-            raise ObjectError(object_key(pod) or "pod", "spec", f"unreadable ({type(exc).__name__}: {exc})") from None
+        request = pod_request(pod, self.catalog)
         if isinstance(uid, str) and uid:
             self._requests.put(uid, (version, request))
             self._names.put(uid, request.name)
@@ -510,7 +513,7 @@ class Extender:
                 target[name] = reasons[idx] if idx >= 0 else "rejected"
         keep = np.flatnonzero(passed).tolist()
         if args.nodes is not None:
-            items = _node_items(args.nodes, "Nodes")[0]
+            items = args.node_items()[0]
             rest = {k: v for k, v in args.nodes.items() if k.casefold() != "items"}
             return ExtenderFilterResult({**rest, "items": [items[i] for i in keep]}, None, failed, unresolvable)
         return ExtenderFilterResult(None, [names[i] for i in keep], failed, unresolvable)
@@ -582,13 +585,19 @@ class Extender:
             if assignment is None:
                 return ExtenderBindingResult(decision.status.message)
             self.scheduler.assume(pod, assignment)
-        status = Status.error("bind raised")
-        try:
-            with self.port_lock:
-                status = self.port.bind(key, assignment)
-        finally:
+        with self.port_lock:
             with self.state_lock:
-                self.scheduler.settle(key, status)
+                # While this bind waited for the port, the cards may have been given up (a rebuilt cache they
+                # no longer fit, the world placing a pod there); the port does not check cards: do not bind.
+                if self.scheduler.reserved(key) != assignment:
+                    return ExtenderBindingResult(f"bind {key} to {args.node}: no longer reserved (its cards were "
+                                                 "released while the bind waited)")
+            status = Status.error("bind raised")
+            try:
+                status = self.port.bind(key, assignment)
+            finally:
+                with self.state_lock:
+                    self.scheduler.settle(key, status)
         return ExtenderBindingResult("" if status.ok else f"bind {key} to {args.node}: {status.message}")
 
     # -------------------------------------------------------------- preempt

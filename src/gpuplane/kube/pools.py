@@ -20,7 +20,7 @@ Pool table. The scheduler takes per-pool settings (`PoolConfig`) keyed by the po
 `pool_table` makes them from the GpuPool objects (`oversubscriptionRatio` → `memory_oversell`; the other
 fields have no `PoolConfig` counterpart yet). Invalid GpuPools are skipped: their nodes get no oversell.
 `PoolSync` keeps an extender's table current from an informer on GpuPools; `apply_pools` swaps the table and
-rebuilds the scheduler's cache with it, keeping the reservations of binds in flight.
+rebuilds the scheduler's cache with it (which keeps the reservations of binds in flight).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from gpuplane.kube.api import KubeApi
 from gpuplane.kube.crds import GPU_POOL, GpuPoolSpec, ResourceError, parse_resource
 from gpuplane.kube.extender import Extender
 from gpuplane.kube.informer import Informer
-from gpuplane.kube.objects import POOL_LABEL, object_key
-from gpuplane.model import Catalog, GpuplaneError, NodeSpec, PlacementError, PoolConfig
+from gpuplane.kube.objects import POOL_LABEL, object_key, selects
+from gpuplane.model import Catalog, GpuplaneError, NodeSpec, PoolConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ class PoolRule:
     def selects(self, node: NodeSpec) -> bool:
         if node.gpu_model is None or node.gpu_model not in self.models:
             return False
-        labels = dict(node.labels)
-        return all(labels.get(k) == v for k, v in self.node_selector.items())
+        return selects(self.node_selector, dict(node.labels))
 
 
 @dataclass(slots=True)
@@ -163,7 +162,7 @@ def pool_table(objects: Iterable[Mapping[str, Any]], catalog: Catalog
 def apply_pools(extender: Extender, pools: Mapping[str, PoolConfig], *,
                 subscribe_lock: AbstractContextManager[Any] | None = None) -> bool:
     """Give the extender's scheduler `pools` and rebuild its cache with them; False when they are already its
-    table. Binds in flight keep their reservations (a rebuild from the port's lists would drop them).
+    table. Binds in flight keep their reservations where they still fit (`Scheduler.resync`).
 
     `subscribe_lock` is the port's event-delivery lock (`KubeCluster.lock`), so no event falls between the
     lists and the rebuilt cache; locks are taken in the extender's order (port, subscribe, state)."""
@@ -171,20 +170,8 @@ def apply_pools(extender: Extender, pools: Mapping[str, PoolConfig], *,
         scheduler = extender.scheduler
         if dict(scheduler.pools or {}) == dict(pools):
             return False
-        held = list(scheduler.state.bindings.values())
         scheduler.pools = dict(pools)
         scheduler.resync()
-        for binding in held:
-            if binding.request.name in scheduler.state.bindings:
-                continue
-            # Placed before but not by the lists: assumed, its bind not confirmed yet. Hold its cards again.
-            try:
-                scheduler.assume(binding.request, binding.assignment)
-            except PlacementError as exc:
-                log.warning("pool change: the reservation of %s no longer fits (%s); its bind decides",
-                            binding.request.name, exc)
-        for pod, why in scheduler.unplaced:
-            log.warning("pool change: running pod %s does not fit the new pool table: %s", pod, why)
     log.info("pool table: %s", ", ".join(f"{k} (memory ×{v.memory_oversell:g})" for k, v in sorted(pools.items()))
              or "none")
     return True

@@ -272,11 +272,21 @@ class ClusterState:
         self.card_mem_cap[n, :g] = new_cap
 
     def update_node(self, spec: NodeSpec) -> None:
-        """Apply a change of labels, taints, pool or schedulability. Capacity changes are not allowed."""
+        """Apply a change of labels, taints, pool or schedulability. Raises `NodeSpecError`, changing nothing,
+        for a change of shape (cards, cpu, memory, card model, MIG mode, topology: the node must be removed and
+        added again) or a pool whose oversell would leave less card memory than is promised."""
         n = self.node_index[spec.name]
         old = self.nodes[n]
-        if (spec.gpus, spec.cpu_milli, spec.memory_mib) != (old.gpus, old.cpu_milli, old.memory_mib):
-            raise NodeSpecError(f"node {spec.name}: capacity changes need the node removed and added again")
+        model = spec.gpu_model
+        if model is not None and model in self.catalog:
+            model = self.catalog.get(model).name
+        changed = [name for name, before, after in (
+            ("gpus", old.gpus, spec.gpus), ("cpu_milli", old.cpu_milli, spec.cpu_milli),
+            ("memory_mib", old.memory_mib, spec.memory_mib), ("gpu_model", old.gpu_model, model),
+            ("mig_mode", old.mig_mode, spec.mig_mode), ("topology", old.topology, spec.topology)) if before != after]
+        if changed:
+            raise NodeSpecError(f"node {spec.name}: {', '.join(changed)} changed: shape and capacity changes need "
+                                "the node removed and added again")
         if spec.pool != old.pool:
             self.nodes[n] = spec
             try:

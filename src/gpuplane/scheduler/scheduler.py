@@ -13,6 +13,7 @@ so the next decision already sees the capacity as taken. On top of the framework
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ from gpuplane.model import (
     Binding,
     Catalog,
     ClusterState,
-    NodeSpec,
     NodeSpecError,
     PlacementError,
     PodRequest,
@@ -44,6 +44,8 @@ from gpuplane.scheduler.preemption import (
     VictimRules,
 )
 from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
+
+log = logging.getLogger(__name__)
 
 NETWORK_BLOCK_LABEL = "gpuplane.io/network-block"
 HELD_FOR_NOMINATION = "node(s) held for a nominated pod whose victims are still terminating"
@@ -173,6 +175,7 @@ class Scheduler:
                     # A recorded assignment the cache cannot hold (an edited annotation, a node that shrank):
                     # report it and go on; one torn pod must not keep the scheduler from starting.
                     self.unplaced.append((pod.name, str(exc)))
+                    log.warning("running pod %s left out of the scheduler's cache: %s", pod.name, exc)
                     continue
                 if pod.phase is PodPhase.TERMINATING:
                     self._terminating.add(pod.name)
@@ -184,13 +187,29 @@ class Scheduler:
         return state
 
     def resync(self) -> None:
-        """Rebuild the cache from the port's lists (the world's truth), dropping every reservation."""
+        """Rebuild the cache from the port's lists (the world's truth). Nominations are dropped (their pods go
+        back to the queue); the reservations of binds in flight (`assume`d, not nominated) are held again
+        where they still fit, since the lists show those pods pending until their binds land. One that no
+        longer fits is dropped and logged: `reserved` then no longer names it, and its bind must not go on."""
+        in_flight = [(self.state.bindings[name].request, assignment) for name, assignment in self._assumed.items()
+                     if name not in self._nominated and name in self.state.bindings]
         self._assumed.clear()
         dropped = [entry for nomination in self._nominations for entry, _ in nomination.members]
         self._nominations.clear()
         self._victim_of.clear()
         self._nominated.clear()
         self.state = self._build_cache(enqueue=False)
+        for request, assignment in in_flight:
+            held = self.state.bindings.get(request.name)
+            if held is not None:  # the lists show it bound already: the world's binding stands
+                if held.assignment == assignment:
+                    self._assumed[request.name] = assignment
+                continue
+            try:
+                self.assume(request, assignment)
+            except PlacementError as exc:
+                log.warning("the reservation of %s on %s no longer fits the rebuilt cache (%s): dropped, its bind "
+                            "is refused unless already sent", request.name, assignment.node, exc)
         for entry in dropped:
             self.queue.requeue(entry)
         for waiting in self._quota_waiting.values():
@@ -245,16 +264,16 @@ class Scheduler:
             self.queue.activate_all()
         elif kind is EventKind.NODE_UPDATED and event.node is not None:
             spec = event.node.spec
-            index = self.state.node_index.get(spec.name)
-            if index is None or _reshaped(self.state.nodes[index], spec, self.catalog):
+            if spec.name not in self.state.node_index:
+                self.resync()
+                return
+            try:
+                self.state.update_node(spec)
+                if self.shadow is not None:
+                    self.shadow.update_node(spec)
+            except NodeSpecError:
                 self.resync()  # cards published or changed (the node agent's inventory): the lists show it now
-            else:
-                try:
-                    self.state.update_node(spec)
-                    if self.shadow is not None:
-                        self.shadow.update_node(spec)
-                except NodeSpecError:
-                    self.resync()
+                return
             self.queue.activate_all()
         elif (kind is EventKind.NODE_REMOVED and event.node is not None
               and event.node.name in self.state.node_index):
@@ -314,7 +333,9 @@ class Scheduler:
             self._place(pod.request, assignment)
         except PlacementError:
             # The world put a pod where we reserved capacity for others: the world wins. Drop the
-            # reservations on that node (their binds will fail and they will be retried), then retry.
+            # reservations on that node, then retry. A bind not sent yet then fails (an extender checks
+            # `reserved` first); one already in the port is the world's to decide (the sim refuses the
+            # overlap, an API server does not check cards).
             node = self.state.node_index.get(assignment.node)
             for name in [n for n, a in self._assumed.items() if a.node == assignment.node]:
                 del self._assumed[name]
@@ -347,6 +368,15 @@ class Scheduler:
         if pod.name not in self.state.bindings:
             self._place(pod, assignment)
         self._assumed[pod.name] = assignment
+
+    def reserved(self, pod: str) -> Assignment | None:
+        """The cards `assume` holds for `pod`'s bind, or None once that reservation is gone (settled, replaced by
+        the world's binding, or dropped by a rebuild of the cache it no longer fits)."""
+        if pod in self._nominated:
+            return None
+        assignment = self._assumed.get(pod)
+        binding = self.state.bindings.get(pod)
+        return assignment if binding is not None and binding.assignment == assignment else None
 
     def settle(self, pod: str, status: Status) -> None:
         """The bind of an assumed pod returned `status`: forget the reservation if it failed (unless the
@@ -1007,10 +1037,3 @@ class Scheduler:
                 self._place(binding.request, binding.assignment)
         return last
 
-
-def _reshaped(old: NodeSpec, new: NodeSpec, catalog: Catalog) -> bool:
-    """Whether a node changed in what `ClusterState.update_node` cannot apply in place (its cards, capacity,
-    model, MIG mode or topology): the cache is then rebuilt. `old` is the cache's copy (canonical model name)."""
-    model = catalog.get(new.gpu_model).name if new.gpu_model is not None and new.gpu_model in catalog else new.gpu_model
-    return ((old.gpus, old.cpu_milli, old.memory_mib, old.gpu_model, old.mig_mode, old.topology)
-            != (new.gpus, new.cpu_milli, new.memory_mib, model, new.mig_mode, new.topology))
