@@ -206,6 +206,26 @@ def test_eviction_records_its_reason(world: World) -> None:
     assert world.settle(lambda: world.cluster.get_pod(key).phase is PodPhase.TERMINATING)  # type: ignore[union-attr]
 
 
+def test_a_held_eviction_retried_records_its_reason_once(world: World) -> None:
+    # A budget holds the eviction; the caller's next pass evicts again with the same reason: one PATCH for the
+    # reason (the pod carries it already), one eviction POST per attempt; a new reason is written.
+    key = running(world)
+    world.server.block_eviction(key)
+    world.cluster.eviction_attempts = 1
+
+    def reason_patches() -> list[object]:
+        return [r for r in world.server.requests_to(r"/pods/p$", "PATCH") if "gpuplane.io/eviction-reason" in str(r[2])]
+
+    for _ in range(2):
+        assert world.cluster.evict(key, reason="tidal reclaim").code is Code.PENDING
+    assert len(reason_patches()) == 1 and len(world.server.requests_to(r"/eviction$", "POST")) == 2
+    assert world.cluster.evict(key, reason="node drain").code is Code.PENDING
+    assert len(reason_patches()) == 2
+    pod = world.server.get("pods", key)
+    assert pod is not None and pod["metadata"]["annotations"]["gpuplane.io/eviction-reason"] == "node drain"
+    assert world.sleeps == []  # one attempt each: no back-off
+
+
 def test_delete_and_fail(world: World) -> None:
     key = running(world, "a")
     assert world.cluster.delete_pod(key).ok
@@ -339,5 +359,28 @@ def test_thread_dispatch_delivers_events_under_the_lock() -> None:
             while not seen and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert seen == [(EventKind.POD_ADDED, True)]
+        finally:
+            cluster.close()
+
+
+def test_a_pod_with_an_unreadable_stamp_is_reported_and_delivery_goes_on() -> None:
+    """A bad `assigned-at` once escaped the codec as a ValueError and ended the dispatcher: nothing after it was
+    delivered (the cache froze)."""
+    with FakeApiServer() as server:
+        server.add_node(node_json("n1"))
+        cluster = KubeCluster(server.api, CATALOG, clock=Clock(), watch_timeout_s=30)
+        try:
+            seen: list[tuple[EventKind, str]] = []
+            cluster.watch(lambda e: seen.append((e.kind, e.pod.name if e.pod is not None else "")))
+            server.add_pod(pod_json("stamped", limits=GPU, node="n1", phase="Running",
+                                    annotations={ASSIGNED_AT: "yesterday"}))
+            server.add_pod(pod_json("later", limits=GPU))
+            deadline = time.monotonic() + 5  # a deadline for the dispatcher thread, not a speed assertion
+            while (EventKind.POD_ADDED, "default/later") not in seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert (EventKind.POD_ADDED, "default/later") in seen
+            assert [name for name, _ in cluster.unreadable()] == ["pod default/stamped"]
+            assert f"metadata.annotations[{ASSIGNED_AT}]" in cluster.unreadable()[0][1]
+            assert cluster.get_pod("default/stamped") is None
         finally:
             cluster.close()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuplane.kube.extender import ExtenderBindingArgs
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,
@@ -22,8 +24,13 @@ from gpuplane.kube.objects import (
     encode_assignment,
     node_info,
     node_spec,
+    object_key,
     pod_info,
+    pod_qos,
     pod_request,
+    resource_version,
+    resource_version_number,
+    split_key,
     wants_gpu,
 )
 from gpuplane.model import (
@@ -255,3 +262,213 @@ def test_bad_inventories_name_the_annotation(raw: str, message: str) -> None:
 def test_bad_allocatable_names_the_field() -> None:
     with pytest.raises(ObjectError, match=r"status\.allocatable\[cpu\]"):
         node_spec({"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "many"}}}, CATALOG)
+
+
+# ------------------------------------------------------------------ malformed pods: ObjectError, never anything else
+@pytest.mark.parametrize(("annotations", "labels", "field"), [
+    ({"gpuplane.io/checkpoint-every-s": "often"}, {}, "metadata.annotations[gpuplane.io/checkpoint-every-s]"),
+    ({"gpuplane.io/checkpoint-every-s": "-60"}, {}, "metadata.annotations[gpuplane.io/checkpoint-every-s]"),
+    ({"gpuplane.io/checkpoint-every-s": "nan"}, {}, "metadata.annotations[gpuplane.io/checkpoint-every-s]"),
+    ({"gpuplane.io/checkpoint-every-s": "inf"}, {}, "metadata.annotations[gpuplane.io/checkpoint-every-s]"),
+    ({}, {"gpuplane.io/instance": "three"}, "metadata.labels[gpuplane.io/instance]"),
+    ({}, {"gpuplane.io/instance": "-1"}, "metadata.labels[gpuplane.io/instance]"),
+    ({}, {"gpuplane.io/instance": "²"}, "metadata.labels[gpuplane.io/instance]"),  # str.isdigit says yes
+    ({"gpuplane.io/mig-profile": "²"}, {}, "metadata.annotations[gpuplane.io/mig-profile]"),
+    ({"gpuplane.io/mig-profile": "9" * 5000}, {}, "metadata.annotations[gpuplane.io/mig-profile]"),
+])
+def test_bad_annotations_and_labels_name_themselves(annotations: dict[str, str], labels: dict[str, str],
+                                                     field: str) -> None:
+    with pytest.raises(ObjectError) as caught:
+        pod_request(pod({"gpuplane.io/gpu": "1"}, annotations=annotations, labels=labels), CATALOG)
+    assert (caught.value.obj, caught.value.field) == ("ml/p", field)
+
+
+@pytest.mark.parametrize(("instance", "expected"), [(None, None), ("0", 0), ("12", 12)])
+def test_the_instance_label(instance: str | None, expected: int | None) -> None:
+    labels = {} if instance is None else {"gpuplane.io/instance": instance}
+    assert pod_request(pod({"gpuplane.io/gpu": "1"}, labels=labels), CATALOG).instance == expected
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"priorityClassName": {"a": 1}}, "spec.priorityClassName"),
+    ({"preemptionPolicy": ["Never"]}, "spec.preemptionPolicy"),
+])
+def test_ill_typed_spec_fields_name_themselves(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(ObjectError) as caught:
+        pod_request(pod({"gpuplane.io/gpu": "1"}, **spec), CATALOG)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("quantity_", ["Infinity", "-Infinity", "NaN", "sNaN", "1e999999", "1e999999Ki", "-1e30"])
+def test_quantities_past_kubernetes_range_name_the_field(quantity_: str) -> None:
+    with pytest.raises(ObjectError) as caught:
+        pod_request(pod({"gpuplane.io/gpu": "1", "cpu": quantity_}), CATALOG)
+    assert caught.value.field == "spec.containers[0].resources[cpu]"
+
+
+def test_owner_references_must_be_a_list_of_objects() -> None:
+    body = pod({"gpuplane.io/gpu": "1"})
+    body["metadata"]["ownerReferences"] = 5
+    with pytest.raises(ObjectError) as caught:
+        pod_request(body, CATALOG)
+    assert caught.value.field == "metadata.ownerReferences"
+
+
+@pytest.mark.parametrize(("stamp", "bound_at"), [
+    ("1700000000.5", 1_700_000_000.5),  # what the scheduler writes: epoch seconds
+    ("2026-11-29T10:00:00Z", 1_795_946_400.0),  # RFC 3339, as the device plugin also reads it
+    ("yesterday", None),
+    ("nan", None),
+    ("inf", None),
+    ("", None),
+])
+def test_the_assignment_stamp(stamp: str, bound_at: float | None) -> None:
+    notes = assignment_annotations(Assignment("n1", (CardShare(0, 1000, 0, whole=True),)), 0.0)
+    notes[ASSIGNED_AT] = stamp
+    body = pod({"gpuplane.io/gpu": "1"}, annotations=notes, node="n1", phase="Running")
+    if bound_at is None:
+        with pytest.raises(ObjectError) as caught:
+            pod_info(body, CATALOG)
+        assert caught.value.field == "metadata.annotations[gpuplane.io/assigned-at]"
+    else:
+        assert pod_info(body, CATALOG).bound_at == bound_at
+
+
+@pytest.mark.parametrize(("label", "qos"), [
+    (None, QoS.ONLINE),  # the default
+    ("offline", QoS.OFFLINE),
+    ("best-effort", QoS.BEST_EFFORT),
+    ("Burstable", QoS.OFFLINE),  # Kubernetes' class names, as the trace uses them
+    ("urgent", None),
+    ("", None),
+])
+def test_pod_qos(label: str | None, qos: QoS | None) -> None:
+    body = pod(labels={} if label is None else {"gpuplane.io/qos": label})
+    if qos is None:
+        with pytest.raises(ObjectError) as caught:
+            pod_qos(body)
+        assert (caught.value.obj, caught.value.field) == ("ml/p", "metadata.labels[gpuplane.io/qos]")
+    else:
+        assert pod_qos(body) is qos
+
+
+@pytest.mark.parametrize(("raw", "version"), [
+    ("42", 42), (None, -1), ("", -1), ("abc", -1), ("-3", -1), ("²", -1), ("1" * 5000, -1), (7, -1), ({}, -1),
+])
+def test_resource_version_is_a_non_negative_integer_or_minus_one(raw: object, version: int) -> None:
+    assert resource_version_number(raw) == version
+    assert resource_version({"metadata": {"resourceVersion": raw}}) == version
+
+
+def test_a_node_without_a_readable_resource_version() -> None:
+    inventory = NodeInventory("H100", (CardInventory(0, "GPU-0"),))
+    body = inventory_node(inventory)
+    body["metadata"]["resourceVersion"] = "opaque"
+    assert node_info(body, CATALOG).resource_version == -1  # as the informer reads it
+
+
+def rich_pod() -> dict[str, Any]:
+    """A valid pod that uses every field the codec reads."""
+    assignment = Assignment("n1", (CardShare(0, 300, 10240),), RdmaShare(0, 1, RdmaLocality.PCIE_SWITCH))
+    notes = assignment_annotations(assignment, 1_700_000_000.0)
+    notes.update({"gpuplane.io/gang-size": "2", "gpuplane.io/gpu-models": "A100-80GB",
+                  "gpuplane.io/checkpoint-every-s": "600"})
+    body = pod({"gpuplane.io/gpu": "1", "gpuplane.io/gpucores": "30", "gpuplane.io/gpumem": "10240", "cpu": "1",
+                "memory": "1Gi", "gpuplane.io/rdma-vf": "1"},
+               labels={"gpuplane.io/qos": "offline", "gpuplane.io/queue": "q", "gpuplane.io/instance": "2",
+                       "scheduling.x-k8s.io/pod-group": "g"},
+               annotations=notes, node="n1", phase="Running", priority=10, priorityClassName="high",
+               preemptionPolicy="Never", nodeSelector={"gpuplane.io/pool": "train"},
+               tolerations=[{"key": "gpu", "operator": "Exists"}])
+    body["spec"]["initContainers"] = [{"name": "init", "resources": {"requests": {"cpu": "2"}}}]
+    body["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "controller": True}]
+    return body
+
+
+tricky_strings = st.sampled_from([
+    "", "²", "1" * 5000, "nan", "inf", "-1", "1.5", "1e400", "Infinity", "sNaN", "1e999999Ki", "[" * 3000,
+    "{", "null", "3g.40gb", "Never", "Running", "Pending", "2026-13-45T99:00:00Z", "0001-01-01T00:00:00",
+])
+json_scalars = st.one_of(st.none(), st.booleans(), st.text(max_size=12), tricky_strings,
+                         st.integers(min_value=-(10**30), max_value=10**30),
+                         st.floats(allow_nan=False, allow_infinity=False))
+json_values = st.recursive(json_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8) | tricky_strings, inner, max_size=3)),
+    max_leaves=10)
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix] if prefix else []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            found.extend(_paths(value, (*prefix, key)))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            found.extend(_paths(value, (*prefix, i)))
+    return found
+
+
+@st.composite
+def mutated_pods(draw: st.DrawFn) -> dict[str, Any]:
+    """`rich_pod` with one to three parts broken: a value replaced (JSON-ish garbage, or a string for an annotation
+    or label), a key dropped."""
+    body = rich_pod()
+    for _ in range(draw(st.integers(1, 3))):
+        paths = _paths(body)
+        if not paths:
+            break
+        path = draw(st.sampled_from(paths))
+        parent: Any = body
+        for step in path[:-1]:
+            parent = parent[step]
+        if isinstance(parent, dict) and draw(st.booleans()):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(json_values)
+    return body
+
+
+@settings(max_examples=400, deadline=None)
+@given(mutated_pods())
+def test_malformed_pods_raise_only_object_errors(body: dict[str, Any]) -> None:
+    for read in (pod_request, pod_info):
+        with contextlib.suppress(ObjectError):  # anything else fails the test
+            read(body, CATALOG)
+
+
+# ------------------------------------------------------------------ label selectors
+@pytest.mark.parametrize(("selector", "labels", "selected"), [
+    ({}, {}, True),                                            # empty selects everything
+    ({}, {"a": "1"}, True),
+    ({"a": "1"}, {"a": "1", "b": "2"}, True),                  # extra labels do not matter
+    ({"a": "1", "b": "2"}, {"a": "1", "b": "2"}, True),
+    ({"a": "1"}, {}, False),                                   # a missing key fails
+    ({"a": "1"}, {"a": "2"}, False),                           # a different value fails
+    ({"a": "1", "b": "2"}, {"a": "1", "b": "3"}, False),       # every pair must match
+    ({"a": ""}, {}, False),                                    # an empty value needs the key present
+    ({"a": ""}, {"a": ""}, True),
+])
+def test_selects_is_every_pair_equal(selector: dict[str, str], labels: dict[str, str], selected: bool) -> None:
+    from gpuplane.kube.objects import selects
+
+    assert selects(selector, labels) is selected
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.sampled_from("xy")),
+       st.dictionaries(st.sampled_from("abcd"), st.sampled_from("xy")))
+def test_selects_is_subset_of_items(selector: dict[str, str], labels: dict[str, str]) -> None:
+    from gpuplane.kube.objects import selects
+
+    assert selects(selector, labels) is (selector.items() <= labels.items())
+
+
+@pytest.mark.parametrize(("namespace", "name", "key"), [
+    ("ml", "p", "ml/p"),
+    ("", "p", "default/p"),  # a bare name would never match the port's `namespace/name`
+])
+def test_binding_args_name_the_pod_as_the_model_does(namespace: str, name: str, key: str) -> None:
+    args = ExtenderBindingArgs.decode({"PodName": name, "PodNamespace": namespace, "PodUID": "u", "Node": "n1"})
+    assert args.pod_key == key
+    assert split_key(args.pod_key) == (namespace or "default", name)
+    # the API server stores a pod sent without a namespace in `default`: the port names it so
+    assert args.pod_key == object_key({"metadata": {"name": name, "namespace": namespace or "default"}})

@@ -240,6 +240,21 @@ def test_a_deleted_or_terminating_pod_drops_out_and_static_containers_stay(tmp_p
             source.stop()
 
 
+@pytest.mark.parametrize(("phase", "deleting", "guarded"), [
+    ("Running", False, True),
+    ("Running", True, False),  # terminating: its processes must be free to handle SIGTERM
+    ("Pending", False, False),  # bound, images pulling: the scheduler counts its cards, but nothing runs yet
+    ("Unknown", False, False),  # the node lost contact with it
+    ("Succeeded", False, False),
+    ("Failed", False, False),
+])
+def test_only_running_pods_are_guarded(phase: str, deleting: bool, guarded: bool) -> None:
+    pod = gpu_pod("p", share(0, 1024), uid=UID, phase=phase)
+    if deleting:
+        pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert len(pod_containers(pod, NODE, CgroupLayout())) == (1 if guarded else 0)
+
+
 def test_pod_containers_of_a_pod_without_cards_or_uid() -> None:
     layout = CgroupLayout()
     assert pod_containers(gpu_pod("nothing"), NODE, layout) == ()  # no assignment at all

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
-from gpuplane.kube.informer import DELETED, Informer, resource_version
+from gpuplane.kube.informer import DELETED, Informer
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,
@@ -60,10 +60,12 @@ from gpuplane.kube.objects import (
     SCHEDULER_NAME,
     WORKLOAD_LABEL,
     ObjectError,
+    annotations_of,
     assignment_annotations,
     node_info,
     object_key,
     pod_info,
+    resource_version,
     split_key,
     taints_json,
 )
@@ -90,10 +92,6 @@ PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 SCALABLE = {"Deployment": "deployments", "ReplicaSet": "replicasets", "StatefulSet": "statefulsets"}
 
 _Change = tuple[str, str, JsonObject | None, JsonObject | None]  # (resource, type, old, new)
-
-
-def _api_reason(exc: ApiError) -> str:
-    return f"{exc.status} {exc.reason}: {exc.message}".strip()
 
 
 class KubeCluster:
@@ -331,7 +329,7 @@ class KubeCluster:
         except ApiError as exc:
             if exc.status == 409:
                 return Status.error(f"conflict: pod {request.name} already exists")
-            return Status.error(f"rejected: pod {request.name}: {_api_reason(exc)}")
+            return Status.error(f"rejected: pod {request.name}: {exc}")
         self._absorb(self.pods, created)
         return Status.success()
 
@@ -361,7 +359,7 @@ class KubeCluster:
                 return Status.error(f"conflict: pod {pod} changed before its assignment was recorded")
             if exc.status == 404:
                 return Status.error(f"pod {pod} not found")
-            return Status.error(f"bind of {pod} failed recording the assignment: {_api_reason(exc)}")
+            return Status.error(f"bind of {pod} failed recording the assignment: {exc}")
         binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
                    "target": {"apiVersion": "v1", "kind": "Node", "name": assignment.node}}
         try:
@@ -370,7 +368,7 @@ class KubeCluster:
             if exc.status != 0:  # refused: take the assignment back (0: unknown, the watch will tell)
                 self._unrecord(namespace, name)
             prefix = "conflict: " if exc.status == 409 else ""
-            return Status.error(f"{prefix}binding {pod} to {assignment.node} refused: {_api_reason(exc)}")
+            return Status.error(f"{prefix}binding {pod} to {assignment.node} refused: {exc}")
         bound = copy.deepcopy(recorded)
         bound.setdefault("spec", {})["nodeName"] = assignment.node
         self.pods.assume(bound, resource_version(recorded))
@@ -391,7 +389,8 @@ class KubeCluster:
 
     def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
         namespace, name = split_key(pod)
-        if reason:
+        cached = self.pods.get(pod)
+        if reason and (cached is None or annotations_of(cached).get(EVICTION_REASON) != reason):
             try:
                 self._absorb(self.pods, self.api.patch(pod_path(namespace, name),
                                                        {"metadata": {"annotations": {EVICTION_REASON: reason}}}))
@@ -416,8 +415,8 @@ class KubeCluster:
                     continue
                 if exc.status == 500:
                     return Status.error(f"eviction of {pod} refused: more than one PodDisruptionBudget may match "
-                                        f"it ({_api_reason(exc)})")
-                return Status.error(f"eviction of {pod} failed: {_api_reason(exc)}")
+                                        f"it ({exc})")
+                return Status.error(f"eviction of {pod} failed: {exc}")
         return Status(Code.PENDING, (f"blocked: disruption budget forbids evicting {pod} now "
                                      f"({self.eviction_attempts} attempts): {blocked}",))
 
@@ -434,7 +433,7 @@ class KubeCluster:
         except ApiError as exc:
             if exc.status == 404:
                 return Status.error(f"pod {pod} not found")
-            return Status.error(f"delete of {pod} failed: {_api_reason(exc)}")
+            return Status.error(f"delete of {pod} failed: {exc}")
         return Status.success()
 
     def fail_pod(self, pod: str, reason: str) -> Status:
@@ -450,7 +449,7 @@ class KubeCluster:
         except ApiError as exc:
             if exc.status == 404:
                 return Status.error(f"pod {pod} not found")
-            return Status.error(f"failing {pod} failed: {_api_reason(exc)}")
+            return Status.error(f"failing {pod} failed: {exc}")
         return Status.success()
 
     def scale(self, workload: str, replicas: int) -> Status:
@@ -476,7 +475,7 @@ class KubeCluster:
         except ApiError as exc:
             if exc.status == 404:
                 return Status.error(f"workload {workload} not found")
-            return Status.error(f"scaling {workload} failed: {_api_reason(exc)}")
+            return Status.error(f"scaling {workload} failed: {exc}")
         return Status.success()
 
     def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
@@ -489,7 +488,7 @@ class KubeCluster:
                 return Status.error(f"pod {pod} not found")
             if exc.status == 422:
                 return Status.error(f"invalid: {exc.message}")
-            return Status.error(f"patching {pod} failed: {_api_reason(exc)}")
+            return Status.error(f"patching {pod} failed: {exc}")
         return Status.success()
 
     def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
@@ -518,7 +517,7 @@ class KubeCluster:
                 return Status.error(f"node {node} not found")
             if exc.status == 422:
                 return Status.error(f"invalid: {exc.message}")
-            return Status.error(f"patching node {node} failed: {_api_reason(exc)}")
+            return Status.error(f"patching node {node} failed: {exc}")
         return Status.success()
 
 

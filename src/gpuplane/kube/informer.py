@@ -16,24 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi
-from gpuplane.kube.objects import object_key
+from gpuplane.kube.objects import object_key, resource_version, resource_version_number
 
 log = logging.getLogger(__name__)
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 ChangeHandler = Callable[[str, JsonObject | None, JsonObject | None], None]
-
-
-def resource_version(obj: JsonObject | None) -> int:
-    """An object's resourceVersion as an integer (-1 when absent). Kubernetes calls it opaque; etcd's
-    revisions (and the test server's) are integers, which is what ordering assumed writes needs."""
-    if obj is None:
-        return -1
-    raw = (obj.get("metadata") or {}).get("resourceVersion")
-    try:
-        return int(str(raw))
-    except (TypeError, ValueError):
-        return -1
 
 
 class Informer:
@@ -129,7 +117,7 @@ class Informer:
         key = object_key(obj)
         with self._lock:
             old = self._cache.get(key)
-            seen = int(self._rv) if self._rv.isdigit() else -1
+            seen = resource_version_number(self._rv)
             if (resource_version(old) if old is not None else seen) > newer_than:
                 return  # the watch already brought the server's later state (or the object's deletion)
             self._cache[key] = obj
@@ -140,7 +128,7 @@ class Informer:
         """A caller's fresh copy of an object (the answer to its own write): into the cache now, unless the
         watch has already gone past it (the object may have changed or gone since)."""
         with self._lock:
-            seen = int(self._rv) if self._rv.isdigit() else -1
+            seen = resource_version_number(self._rv)
             if resource_version(obj) > seen:
                 self.apply(MODIFIED, obj)
 

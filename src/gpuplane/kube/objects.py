@@ -26,10 +26,11 @@ A node describes its cards in annotation `gpuplane.io/gpu-inventory`, written by
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from kubernetes.utils import parse_quantity
@@ -151,8 +152,24 @@ def parse_time(value: object) -> float | None:
         return None
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):  # OverflowError, OSError: a date the platform cannot place
         return None
+
+
+def resource_version_number(raw: object) -> int:
+    """A resourceVersion as a non-negative integer, -1 when absent or not one. Kubernetes calls it opaque; etcd's
+    revisions (and the test server's) are decimal integers, which is what ordering assumed writes needs."""
+    if not isinstance(raw, str) or not (raw.isascii() and raw.isdigit()):
+        return -1
+    try:
+        return int(raw)
+    except ValueError:  # past Python's digit limit
+        return -1
+
+
+def resource_version(obj: Mapping[str, Any] | None) -> int:
+    """An object's `metadata.resourceVersion` as `resource_version_number` reads it (-1 for no object)."""
+    return -1 if obj is None else resource_version_number(_meta(obj).get("resourceVersion"))
 
 
 def format_time(epoch_s: float, *, micro: bool = False) -> str:
@@ -163,10 +180,17 @@ def format_time(epoch_s: float, *, micro: bool = False) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+QUANTITY_LIMIT = Decimal(2**63)
+"""Kubernetes keeps quantities within int64; past it (or not finite) a value is no quantity."""
+
+
 def quantity(value: object, obj: str, field: str) -> Decimal:
     try:
-        return Decimal(parse_quantity(value))  # type: ignore[no-untyped-call]
-    except (ValueError, TypeError, InvalidOperation):
+        parsed = Decimal(parse_quantity(value))  # type: ignore[no-untyped-call]
+        if not parsed.is_finite() or abs(parsed) >= QUANTITY_LIMIT:
+            raise ValueError("out of range")
+        return parsed
+    except (ValueError, TypeError, ArithmeticError):  # ArithmeticError: decimal's InvalidOperation, Overflow
         raise ObjectError(obj, field, f"not a Kubernetes quantity: {value!r}") from None
 
 
@@ -184,6 +208,48 @@ def _int_annotation(annotations: Mapping[str, str], key: str, obj: str) -> int |
         return int(raw)
     except ValueError:
         raise ObjectError(obj, f"metadata.annotations[{key}]", f"not an integer: {raw!r}") from None
+
+
+def parse_count(raw: str) -> int | None:
+    """A decimal count (`0`, `12`), or None for anything else (`-1`, `²`, digits past Python's limit)."""
+    if not (raw.isascii() and raw.isdigit()):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _seconds(raw: str) -> float | None:
+    """Epoch seconds (`1700000000.5`) or RFC 3339; None for anything else, or a value not finite."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return parse_time(raw)
+    return value if math.isfinite(value) else None
+
+
+def assigned_at(pod: Mapping[str, Any]) -> float | None:
+    """When the scheduler recorded the pod's assignment (annotation `ASSIGNED_AT`: epoch seconds or RFC 3339);
+    None when not recorded. Raises `ObjectError` for a stamp that is neither."""
+    raw = annotations_of(pod).get(ASSIGNED_AT)
+    if raw is None:
+        return None
+    stamp = _seconds(raw)
+    if stamp is None:
+        raise ObjectError(object_key(pod), f"metadata.annotations[{ASSIGNED_AT}]",
+                          f"not a time (epoch seconds or RFC 3339): {raw!r}")
+    return stamp
+
+
+def pod_qos(pod: Mapping[str, Any]) -> QoS:
+    """The pod's gpuplane QoS (label `QOS_LABEL`, online when absent). Raises `ObjectError` for an unknown one."""
+    raw = labels_of(pod).get(QOS_LABEL, "online")
+    try:
+        return QoS.from_trace(raw)
+    except RequestError:
+        raise ObjectError(object_key(pod), f"metadata.labels[{QOS_LABEL}]",
+                          f"unknown QoS {raw!r} (online, offline, best-effort)") from None
 
 
 # ------------------------------------------------------------------ pods
@@ -233,6 +299,24 @@ def pod_resources(pod: Mapping[str, Any]) -> dict[str, Decimal]:
     return total
 
 
+def container_units(pod: Mapping[str, Any], resource: str) -> tuple[tuple[str, int], ...]:
+    """(name, whole units of `resource`) of each of the pod's `spec.containers` that asks for it (`limits` over
+    `requests`), in spec order; an unnamed container is `container-<i>`. Raises `ObjectError` naming the field
+    for a container that is not an object or a count that is not whole."""
+    obj = object_key(pod)
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return ()
+    found = []
+    for i, container in enumerate(_items(spec.get("containers"), obj, "spec.containers")):
+        raw = _resource_map(container, obj, f"spec.containers[{i}]").get(resource)
+        if raw is not None:
+            field = f"spec.containers[{i}].resources[{resource}]"
+            units = _whole(quantity(raw, obj, field), obj, field)
+            found.append((str(container.get("name") or f"container-{i}"), units))
+    return tuple(found)
+
+
 def wants_gpu(pod: Mapping[str, Any]) -> bool:
     """Whether some container asks for one of gpuplane's resources (kube-scheduler's managedResources test).
 
@@ -261,7 +345,13 @@ def _gpu_form(resources: Mapping[str, Decimal], annotations: Mapping[str, str], 
             if cards != 1 or cores or mem or mem_pct:
                 raise ObjectError(obj, f"metadata.annotations[{MIG_PROFILE}]",
                                   f"a MIG instance is asked for with {RES_GPU}: 1 alone (no {RES_CORES}/{RES_MEM})")
-            return MigSlice(int(profile) if profile.isdigit() else profile)
+            if profile.isdigit():
+                number = parse_count(profile)
+                if number is None:
+                    raise ObjectError(obj, f"metadata.annotations[{MIG_PROFILE}]",
+                                      f"not a MIG profile name or ID: {profile!r}")
+                return MigSlice(number)
+            return MigSlice(profile)
         if not (cards or cores or mem or mem_pct or encoders or decoders):
             return None
         if not cards:
@@ -293,12 +383,7 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     labels, annotations = labels_of(pod), annotations_of(pod)
     resources = pod_resources(pod)
     gpu = _gpu_form(resources, annotations, obj)
-    qos_raw = labels.get(QOS_LABEL, "online")
-    try:
-        qos = QoS.from_trace(qos_raw)
-    except RequestError:
-        raise ObjectError(obj, f"metadata.labels[{QOS_LABEL}]",
-                          f"unknown QoS {qos_raw!r} (online, offline, best-effort)") from None
+    qos = pod_qos(pod)
     models_raw = annotations.get(GPU_MODELS)
     models = {m.strip() for m in models_raw.split(",") if m.strip()} if models_raw else None
     gang = labels.get(GANG_LABEL)
@@ -306,6 +391,10 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     selector = _str_map(spec.get("nodeSelector"))
     pool = selector.get(POOL_LABEL)
     preemption_policy = spec.get("preemptionPolicy")
+    priority_class = spec.get("priorityClassName")
+    for field, value in (("preemptionPolicy", preemption_policy), ("priorityClassName", priority_class)):
+        if value is not None and not isinstance(value, str):
+            raise ObjectError(obj, f"spec.{field}", f"must be a string, got {value!r}")
     tolerations = tuple(
         Toleration(str(t.get("key") or ""), None if t.get("operator") == "Exists" else str(t.get("value") or ""))
         for t in _items(spec.get("tolerations"), obj, "spec.tolerations"))
@@ -313,7 +402,21 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ObjectError(obj, "spec.priority", f"must be an integer, got {priority!r}")
     checkpoint = annotations.get(CHECKPOINT_EVERY)
-    instance = labels.get(INSTANCE_LABEL)
+    checkpoint_s = 0.0
+    if checkpoint:
+        try:
+            checkpoint_s = float(checkpoint)
+        except ValueError:
+            checkpoint_s = -1.0
+        if not (math.isfinite(checkpoint_s) and checkpoint_s >= 0):
+            raise ObjectError(obj, f"metadata.annotations[{CHECKPOINT_EVERY}]",
+                              f"must be a non-negative number of seconds, got {checkpoint!r}")
+    workload = labels.get(WORKLOAD_LABEL) or _owner(pod)
+    instance_raw = labels.get(INSTANCE_LABEL)
+    instance = None if instance_raw is None else parse_count(instance_raw)
+    if instance_raw is not None and instance is None:
+        raise ObjectError(obj, f"metadata.labels[{INSTANCE_LABEL}]",
+                          f"must be the pod's index in its workload (0, 1, …), got {instance_raw!r}")
     try:
         return make_request(
             catalog, obj,
@@ -321,14 +424,14 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
             memory_mib=int(resources.get("memory", Decimal(0)) / (1 << 20)),
             gpu=gpu, models=models,
             priority=priority,
-            priority_class=spec.get("priorityClassName") or None,
+            priority_class=priority_class or None,
             preempt=None if preemption_policy is None else preemption_policy != "Never",
             qos=qos,
-            workload=labels.get(WORKLOAD_LABEL) or _owner(pod),
-            instance=int(instance) if instance and instance.isdigit() else None,
+            workload=workload,
+            instance=instance,
             gang=gang, gang_size=gang_size if gang else 0,
             queue=labels.get(QUEUE_LABEL),
-            checkpoint_every_s=float(checkpoint) if checkpoint else 0.0,
+            checkpoint_every_s=checkpoint_s,
             rdma_vfs=_whole(resources.get(RES_RDMA, Decimal(0)), obj, f"resources[{RES_RDMA}]"),
             pools=frozenset({pool}) if pool else None,
             tolerations=tolerations,
@@ -342,8 +445,8 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
 
 def _owner(pod: Mapping[str, Any]) -> str | None:
     """The controlling owner (`ReplicaSet/web-7f9c`), as the workload a pod belongs to."""
-    for ref in _meta(pod).get("ownerReferences") or []:
-        if isinstance(ref, Mapping) and ref.get("controller"):
+    for ref in _items(_meta(pod).get("ownerReferences"), object_key(pod), "metadata.ownerReferences"):
+        if ref.get("controller"):
             namespace = _meta(pod).get("namespace") or "default"
             return f"{namespace}/{ref.get('kind')}/{ref.get('name')}"
     return None
@@ -380,13 +483,13 @@ def pod_info(pod: Mapping[str, Any], catalog: Catalog) -> PodInfo:
     phase = pod_phase(pod)
     if phase is PodPhase.PENDING:
         assignment = None  # recorded but not bound yet: the capacity is not the pod's until the Binding lands
-    assigned_at = annotations.get(ASSIGNED_AT)
+    stamp = assigned_at(pod)
     return PodInfo(
         request=pod_request(pod, catalog),
         phase=phase,
         assignment=assignment,
         created_at=parse_time(_meta(pod).get("creationTimestamp")) or 0.0,
-        bound_at=float(assigned_at) if assigned_at and phase is not PodPhase.PENDING else None,
+        bound_at=stamp if phase is not PodPhase.PENDING else None,
         annotations=tuple(sorted(annotations.items())),
     )
 
@@ -442,8 +545,9 @@ def decode_assignment(raw: str, obj: str = "pod") -> Assignment:
             r = doc["rdma"]
             rdma = RdmaShare(int(r["nic"]), int(r["vfs"]), RdmaLocality(r["locality"]))
         return Assignment(doc["node"], tuple(shares), rdma, bool(doc.get("oversubscribed", False)))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ObjectError(obj, field, f"not a gpuplane assignment ({exc})") from None
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        # OverflowError: an infinite number; RecursionError: JSON nested past the parser's depth
+        raise ObjectError(obj, field, f"not a gpuplane assignment ({type(exc).__name__}: {exc})") from None
 
 
 def assignment_annotations(assignment: Assignment, now_s: float) -> dict[str, str]:
@@ -545,14 +649,14 @@ def node_spec(node: Mapping[str, Any], catalog: Catalog) -> NodeSpec:
 
 
 def node_info(node: Mapping[str, Any], catalog: Catalog) -> NodeInfo:
-    raw_version = _meta(node).get("resourceVersion") or "0"
-    try:
-        version = int(raw_version)
-    except ValueError:
-        version = 0  # resourceVersion is opaque; the fake and etcd use integers
-    return NodeInfo(node_spec(node, catalog), version, tuple(sorted(annotations_of(node).items())))
+    return NodeInfo(node_spec(node, catalog), resource_version(node), tuple(sorted(annotations_of(node).items())))
 
 
 def taints_json(taints: Sequence[Taint]) -> list[dict[str, str]]:
     return [{"key": t.key, "value": t.value, "effect": t.effect} if t.value else {"key": t.key, "effect": t.effect}
             for t in taints]
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Equality label selector: every pair of `selector` must be in `labels`; an empty selector selects all."""
+    return all(labels.get(key) == value for key, value in selector.items())

@@ -40,23 +40,25 @@ from typing import Any, Protocol
 from gpuplane.kube.api import PODS_ALL, KubeApi, pod_path
 from gpuplane.kube.objects import (
     ALLOCATED_CONTAINERS,
-    ASSIGNED_AT,
     ASSIGNMENT,
     BIND_PHASE,
     PHASE_ALLOCATED,
     PHASE_ALLOCATING,
-    QOS_LABEL,
     RES_GPU,
     ObjectError,
     annotations_of,
+    assigned_at,
+    container_units,
     decode_assignment,
-    labels_of,
     object_key,
-    parse_time,
-    quantity,
+    parse_count,
+    pod_phase,
+    pod_qos,
+    split_key,
 )
-from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, GpuplaneError, QoS, RequestError
+from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, GpuplaneError, QoS
 from gpuplane.node.gpu import CardInfo
+from gpuplane.port import PodPhase
 
 __all__ = [
     "ALLOCATED_CONTAINERS", "AllocationSettings", "AssignmentSource", "BoundPod", "ContainerAllocation", "DeviceNode",
@@ -65,8 +67,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,55 +119,38 @@ class AssignmentSource(Protocol):
 
 
 def pending_pod(pod: Mapping[str, Any], node: str, resource: str = RES_GPU) -> PendingPod | None:
-    """The pod as a `PendingPod` when it is on `node`, not terminating, and in bind phase `allocating`; None
-    otherwise. Raises `ObjectError` for an unreadable assignment or resource quantity."""
-    meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-    assert isinstance(meta, Mapping) and isinstance(spec, Mapping)
+    """The pod as a `PendingPod` when it is on `node`, neither terminating nor finished, and in bind phase
+    `allocating`; None otherwise. Raises `ObjectError` for an unreadable assignment, stamp, progress, QoS label or
+    container (a count of units that is not whole, say)."""
+    spec = pod.get("spec")
     annotations = annotations_of(pod)
-    if annotations.get(BIND_PHASE) != PHASE_ALLOCATING or spec.get("nodeName") != node or meta.get("deletionTimestamp"):
+    if (annotations.get(BIND_PHASE) != PHASE_ALLOCATING or not isinstance(spec, Mapping)
+            or spec.get("nodeName") != node or pod_phase(pod) is not PodPhase.RUNNING):
         return None
     key = object_key(pod)
     raw = annotations.get(ASSIGNMENT)
     if not raw:
         raise ObjectError(key, f"metadata.annotations[{ASSIGNMENT}]", "missing while the bind phase is allocating")
     assignment = decode_assignment(raw, key)
-    stamp = annotations.get(ASSIGNED_AT, "")
-    try:
-        assigned_at = float(stamp)
-    except ValueError:
-        assigned_at = parse_time(stamp) or float("inf")
+    stamp = assigned_at(pod)
     raw_handed = annotations.get(ALLOCATED_CONTAINERS, "0")
-    if not (raw_handed.isascii() and raw_handed.isdigit()):
+    handed = parse_count(raw_handed)
+    if handed is None:
         raise ObjectError(key, f"metadata.annotations[{ALLOCATED_CONTAINERS}]",
                           f"{raw_handed!r} is not a count of containers")
-    try:
-        qos = QoS.from_trace(labels_of(pod).get(QOS_LABEL, "online"))
-    except RequestError:
-        qos = QoS.ONLINE
-    containers = []
-    for i, container in enumerate(spec.get("containers") or []):
-        if not isinstance(container, Mapping):
-            continue
-        resources = container.get("resources") or {}
-        for part in ("limits", "requests"):
-            raw_units = (resources.get(part) or {}).get(resource)
-            if raw_units is not None:
-                units = int(quantity(raw_units, key, f"spec.containers[{i}].resources.{part}[{resource}]"))
-                containers.append((str(container.get("name") or f"container-{i}"), units))
-                break
-    return PendingPod(key, str(meta.get("uid") or key), assignment, assigned_at, qos, tuple(containers),
-                      int(raw_handed))
+    meta = pod.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return PendingPod(key, str(uid or key), assignment, float("inf") if stamp is None else stamp, pod_qos(pod),
+                      container_units(pod, resource), handed)
 
 
 def bound_pod(pod: Mapping[str, Any], node: str) -> BoundPod | None:
     """The pod as a `BoundPod` when it is on `node`, has an assignment and has not finished; None otherwise.
     Raises `ObjectError` for an unreadable assignment."""
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-    status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
-    assert isinstance(spec, Mapping) and isinstance(status, Mapping)
+    spec = pod.get("spec")
     raw = annotations_of(pod).get(ASSIGNMENT)
-    if spec.get("nodeName") != node or not raw or status.get("phase") in TERMINAL_PHASES:
+    if (not isinstance(spec, Mapping) or spec.get("nodeName") != node or not raw
+            or pod_phase(pod) in (PodPhase.SUCCEEDED, PodPhase.FAILED)):
         return None
     key = object_key(pod)
     return BoundPod(key, decode_assignment(raw, key))
@@ -197,12 +180,12 @@ class KubeAssignmentSource:
         return found
 
     def mark_handed(self, pod: PendingPod, handed: int) -> None:
-        namespace, _, name = pod.key.rpartition("/")
+        namespace, name = split_key(pod.key)
         annotations = {ALLOCATED_CONTAINERS: str(handed)}
         if handed >= len(pod.gpu_containers):
             annotations[BIND_PHASE] = PHASE_ALLOCATED
         try:
-            self.api.patch(pod_path(namespace or "default", name), {"metadata": {"annotations": annotations}})
+            self.api.patch(pod_path(namespace, name), {"metadata": {"annotations": annotations}})
         except Exception as exc:  # ApiError, or the transport's own errors
             what = ", ".join(f"{k}={v}" for k, v in annotations.items())
             raise GpuplaneError(f"{pod.key}: cannot record {what}: {exc}") from exc

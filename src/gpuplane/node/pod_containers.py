@@ -27,16 +27,17 @@ from gpuplane.kube.api import PODS_ALL, KubeApi
 from gpuplane.kube.informer import Informer
 from gpuplane.kube.objects import (
     ASSIGNMENT,
-    QOS_LABEL,
     ObjectError,
     annotations_of,
     decode_assignment,
-    labels_of,
     object_key,
+    pod_phase,
+    pod_qos,
     quantity,
 )
-from gpuplane.model import QoS, RequestError
+from gpuplane.model import QoS
 from gpuplane.node.guard import ColocationGuard, ContainerSpec
+from gpuplane.port import PodPhase
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,11 @@ def _uid(pod: Mapping[str, Any], obj: str) -> str:
 
 
 def _running(pod: Mapping[str, Any]) -> bool:
-    meta = pod.get("metadata")
-    if isinstance(meta, Mapping) and meta.get("deletionTimestamp"):
-        return False  # terminating: its processes must be free to handle SIGTERM
+    """Running its containers now: not terminating (its processes must be free to handle SIGTERM), and with
+    `status.phase` Running (`pod_phase` also counts a bound pod still pulling images, or one in phase Unknown)."""
     status = pod.get("status")
-    return isinstance(status, Mapping) and status.get("phase") == "Running"
+    return (pod_phase(pod) is PodPhase.RUNNING
+            and isinstance(status, Mapping) and status.get("phase") == "Running")
 
 
 def pod_containers(pod: Mapping[str, Any], node: str, layout: CgroupLayout) -> tuple[ContainerSpec, ...]:
@@ -132,12 +133,7 @@ def pod_containers(pod: Mapping[str, Any], node: str, layout: CgroupLayout) -> t
     shares = [s for s in assignment.cards if s.mig_profile is None]
     if not shares:
         return ()
-    label = labels_of(pod).get(QOS_LABEL, "online")
-    try:
-        qos = QoS.from_trace(label)
-    except RequestError:
-        raise ObjectError(obj, f"metadata.labels[{QOS_LABEL}]",
-                          f"unknown QoS {label!r} (online, offline, best-effort)") from None
+    qos = pod_qos(pod)
     cgroup = layout.pod_dir(_uid(pod, obj), kube_qos_class(pod))
     several = len(shares) > 1
     return tuple(
