@@ -245,6 +245,9 @@ BAD: list[tuple[dict[str, Any], str, bool]] = [
     (obj(COLOCATION_POLICY, {"pollSeconds": 0}), "spec.pollSeconds", True),
     (obj(COLOCATION_POLICY, {"memoryGuard": "yes"}), "spec.memoryGuard", True),
     (obj(COLOCATION_POLICY, {"onlineSmThresholdPercent": 101}), "spec.onlineSmThresholdPercent", True),
+    # admission is the scheduler's (GuardSettings' admit_* fields), not the node guard's: not a policy field
+    (obj(COLOCATION_POLICY, {"admitHysteresisBytes": 1}), "spec.admitHysteresisBytes", True),
+    (obj(COLOCATION_POLICY, {"admitWindowSeconds": 1.0}), "spec.admitWindowSeconds", True),
     # cross-field rules: the schema cannot say them, the webhook (parse_resource) does
     (obj(TIDAL_POLICY, edit(tidal_spec(), "services.0.minReplicas", 11)), "spec.services[0]", False),
     (obj(TIDAL_POLICY, edit(tidal_spec(), "windows.0.nightReplicas", {"chat": 1})),
@@ -308,7 +311,7 @@ def test_the_tidal_spec_is_the_controllers_policy() -> None:
     pool = parse_resource(obj(GPU_POOL, pool_spec(), namespace=None)).spec
     assert isinstance(pool, GpuPoolSpec) and pool.mig.value == "on"
     coloc = parse_resource(obj(COLOCATION_POLICY, {"minSliceSeconds": 0.5})).spec
-    assert isinstance(coloc, ColocationPolicySpec) and coloc.settings().min_slice_s == 0.5
+    assert isinstance(coloc, ColocationPolicySpec) and coloc.min_slice_s == 0.5
 
 
 # ------------------------------------------------------------------ property: pydantic accepts → schema accepts

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from gpuplane.cli.operator_cmd import register
 from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNOTATION, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi
+from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
 from gpuplane.kube.operator import HealthServer, Operator, run_operator
@@ -174,6 +175,43 @@ def test_the_leader_runs_the_tidal_policy_through_the_api(server: FakeApiServer)
         assert LOAN_ANNOTATION not in node(server, "tidal-1")["metadata"]["annotations"]
         assert server.requests_to(r"/namespaces/train/pods/trainer-0/eviction$", "POST")
         assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)
+    finally:
+        op.shutdown()
+
+
+def test_held_evictions_are_retried_by_the_next_pass_not_by_sleeping(server: FakeApiServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three training pods whose evictions a disruption budget holds for good. With KubeCluster's default four
+    # attempts each eviction would wait 1 + 2 + 4 s, 3 × 7 = 21 s in one tick: past a 15 s lease. The operator
+    # tries each once per pass; the tidal controller's next pass (its strays) is the retry.
+    waits: list[float] = []
+    monkeypatch.setattr(KubeCluster, "_wait", lambda self, delay_s: waits.append(delay_s))
+    clock = VirtualClock(MIDNIGHT + 23.75 * HOUR)
+    op = operator(server, clock, "a")
+    trainers = [f"train/trainer-{i}" for i in range(3)]
+    try:
+        op.tick()                                  # 23:45: tidal-1 and tidal-2 lent
+        assert lent(server) == ["tidal-1", "tidal-2"]
+        for i, key in enumerate(trainers):
+            trainer = pod_json(key.split("/")[1], namespace="train", limits={"gpuplane.io/gpu": "2"},
+                               node=f"tidal-{1 + i % 2}", labels={WORKLOAD_LABEL: "trainer"}, phase="Running")
+            trainer["spec"]["nodeSelector"] = {POOL_LABEL: "training"}  # a training pod: the lent nodes' pool
+            server.add_pod(trainer)
+            server.block_eviction(key)
+            wait_for(functools.partial(sees, op, key), key)
+        for hours, passes in ((31.6, 1), (31.7, 2)):  # 07:36 reclaim, 07:42 the held ones again (strays)
+            clock.at(hours)
+            op.tick()
+            assert op.leading and waits == []
+            for key in trainers:
+                assert server.get("pods", key) is not None
+                name = key.split("/")[1]
+                assert len(server.requests_to(rf"/namespaces/train/pods/{name}/eviction$", "POST")) == passes
+                # the reason is written once: the second pass finds it on the pod
+                assert len([r for r in server.requests_to(rf"/namespaces/train/pods/{name}$", "PATCH")
+                            if EVICTION_REASON in str(r[2])]) == 1
+        lease = server.get("leases", "gpuplane-system/gpuplane-operator")
+        assert lease is not None and lease["spec"]["holderIdentity"] == "a"
     finally:
         op.shutdown()
 

@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 
+from gpuplane.cli.common import err, fail, log_to_stderr, on_sigterm
 from gpuplane.model import CatalogError, GpuplaneError, MigMode, default_catalog
 
 if TYPE_CHECKING:
     from gpuplane.kube.objects import NodeInventory
     from gpuplane.node.gpu import DeviceBackend
-
-err = Console(stderr=True)
-
-
-def _fail(message: str) -> NoReturn:
-    err.print(f"[red]error:[/] {message}")
-    raise typer.Exit(2)
-
 
 def register(app: typer.Typer) -> None:
     """Add `device-plugin` and `mig-apply` to `app`."""
@@ -60,17 +51,17 @@ def register(app: typer.Typer) -> None:
 
         node = node_name or os.environ.get("NODE_NAME")
         if not node:
-            _fail("--node-name: not given and $NODE_NAME is not set")
+            fail("--node-name: not given and $NODE_NAME is not set")
         if split < 1:
-            _fail(f"--split: at least 1, got {split}")
+            fail(f"--split: at least 1, got {split}")
         if interval_s <= 0:
-            _fail(f"--interval: must be positive, got {interval_s}")
+            fail(f"--interval: must be positive, got {interval_s}")
         if mig_grace_s < 0:
-            _fail(f"--mig-grace: must not be negative, got {mig_grace_s}")
+            fail(f"--mig-grace: must not be negative, got {mig_grace_s}")
         try:
             mode = MigMode(mig_mode) if mig_mode is not None else None
         except ValueError:
-            _fail(f"--mig-mode: {mig_mode!r} is not one of dynamic, on, off")
+            fail(f"--mig-mode: {mig_mode!r} is not one of dynamic, on, off")
         settings = PluginSettings(node_name=node, directory=directory, split=split, mig_mode=mode,
                                   mig_grace_s=mig_grace_s,
                                   allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir,
@@ -78,35 +69,34 @@ def register(app: typer.Typer) -> None:
         backend = _backend(fake_cards, fake_model)
         source: AssignmentSource
         publish: Callable[[NodeInventory], None] | None = None
-        try:
-            from gpuplane.kube.api import connect_api
-            from gpuplane.node.allocation import KubeAssignmentSource
+        from gpuplane.kube.api import KubeConfigError, connect_api
+        from gpuplane.node.allocation import KubeAssignmentSource
 
+        try:
             api = connect_api(kubeconfig)
             source = KubeAssignmentSource(api, node, settings.resource)
             publish = functools.partial(publish_inventory, api, node)
-        except Exception as exc:  # the client's ConfigException, a missing file
+        except KubeConfigError as exc:
             if kubeconfig is not None or fake_cards is None:
                 backend.close()
-                _fail(f"--kubeconfig: cannot reach the API server: {exc}")
-            err.print(f"no API server ({exc}): a dry run, no pod will match an allocation")
+                fail(f"--kubeconfig: cannot reach the API server: {exc}")
+            err.print(f"no API server ({escape(str(exc))}): a dry run, no pod will match an allocation")
             source = MemoryAssignmentSource()
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        log_to_stderr()
         plugin = DevicePlugin(settings, backend, source, publish=publish)
         stop = threading.Event()
-        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
-            try:
-                plugin.start()
-            except GpuplaneError as exc:
-                _fail(str(exc))
-            err.print(f"device plugin: {len(plugin.cards)} cards × {split} units of {settings.resource} on "
-                      f"{plugin.socket_path}")
-            plugin.run(stop, interval_s)
+            with on_sigterm(stop.set):
+                try:
+                    plugin.start()
+                except GpuplaneError as exc:
+                    fail(str(exc))
+                err.print(f"device plugin: {len(plugin.cards)} cards × {split} units of {settings.resource} on "
+                          f"{plugin.socket_path}")
+                plugin.run(stop, interval_s)
         except KeyboardInterrupt:
             pass
         finally:
-            signal.signal(signal.SIGTERM, previous)
             plugin.stop()
             backend.close()
 
@@ -129,15 +119,15 @@ def register(app: typer.Typer) -> None:
         try:
             infos = backend.describe()
             if card >= len(infos):
-                _fail(f"--card: {card} is not one of the node's {len(infos)} cards")
+                fail(f"--card: {card} is not one of the node's {len(infos)} cards")
             info = infos[card]
             model = catalog.get(canonical_model(info.name, info.total_bytes, catalog))
             wanted, status = parse_profiles(model, profiles)
             if not status.ok:
-                _fail(f"--profiles: {status.message}")
+                fail(f"--profiles: {status.message}")
             plan, status = plan_layout(model, card, wanted, backend.mig_instances(card), info.mig_enabled)
             if plan is None:
-                _fail(f"--profiles: {status.message}")
+                fail(f"--profiles: {status.message}")
             if dry_run:
                 print(f"plan for card {card} ({model.name}), not applied (--dry-run):")
             for line in plan.lines(model):
@@ -149,10 +139,10 @@ def register(app: typer.Typer) -> None:
                 print(f"card {card}: created GPU instance {instance.gpu_instance_id} at {instance.start}: "
                       f"{instance.uuid or '(no MIG device yet)'}")
             if not result.status.ok:
-                err.print(f"[red]error:[/] {result.status.message}")
+                err.print(f"[red]error:[/] {escape(result.status.message)}", soft_wrap=True)
                 raise typer.Exit(1)
         except (GpuBackendError, CatalogError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
         finally:
             backend.close()
 
@@ -165,13 +155,13 @@ def _backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> D
         try:
             return NvmlBackend(xid_events=not mig)
         except GpuplaneError as exc:
-            _fail(f"cannot read the GPUs through NVML ({exc}); --fake-cards/--fake-model run without one")
+            fail(f"cannot read the GPUs through NVML ({exc}); --fake-cards/--fake-model run without one")
     if fake_cards < 1:
-        _fail(f"--fake-cards: at least 1, got {fake_cards}")
+        fail(f"--fake-cards: at least 1, got {fake_cards}")
     try:
         model = default_catalog().get(fake_model)
     except CatalogError as exc:
-        _fail(f"--fake-model: {exc}")
+        fail(f"--fake-model: {exc}")
     return FakeGpuBackend(fake_cards, model.memory_mib << 20, name=model.name, numa=[i * 2 // fake_cards
                                                                                       for i in range(fake_cards)],
                           mig_model=model if model.mig_capable else None)

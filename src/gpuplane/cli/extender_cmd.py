@@ -21,12 +21,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 import yaml
 
-from gpuplane.kube.api import ApiError, connect_api
+from gpuplane.cli.common import fail, policy_config
+from gpuplane.kube.api import ApiError, KubeConfigError, connect_api
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.extender import (
     DEFAULT_PORT,
@@ -34,6 +35,7 @@ from gpuplane.kube.extender import (
     Extender,
     ExtenderServer,
     describe_nodes,
+    normalise_prefix,
     scheduler_config,
 )
 from gpuplane.kube.objects import GPU_MODELS, RES_CORES, RES_GPU, RES_MEM, object_key
@@ -49,15 +51,7 @@ from gpuplane.model import (
     default_catalog,
     make_request,
 )
-from gpuplane.scheduler import (
-    CardOnlyOneScope,
-    PolicyConfig,
-    PolicyError,
-    Profile,
-    Scheduler,
-    default_registry,
-    load_topo_config,
-)
+from gpuplane.scheduler import PolicyError, Profile, Scheduler, default_registry
 from gpuplane.sim.cluster import SimCluster
 
 
@@ -65,22 +59,14 @@ from gpuplane.sim.cluster import SimCluster
 def build_profile(node_policy: str, card_policy: str | None, scope: str = "workload", topo: Path | None = None,
                   seed: int = 0) -> Profile:
     """The scheduler profile as `simulate` picks it; `GpuplaneError` naming the flag on a bad choice."""
+    config = policy_config(node_policy, card_policy, scope, topo, seed)
     try:
-        scope_value = CardOnlyOneScope(scope)
-    except ValueError:
-        raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
-    try:
-        config = PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
-                              custom_topo=load_topo_config(topo) if topo is not None else None, seed=seed)
         return default_registry().build(config)
     except PolicyError as exc:
         raise GpuplaneError(f"--node-policy/--card-policy: {exc}") from None
 
 
 # ------------------------------------------------------------------ the command
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def register(app: typer.Typer) -> None:
@@ -113,17 +99,17 @@ def register(app: typer.Typer) -> None:
         Per-pool settings come from the GpuPools (`oversubscriptionRatio`: card memory promised per byte on
         nodes labelled `gpuplane.io/pool: <pool>`), watched while serving; invalid ones are logged and skipped."""
         if not 0 <= port <= 65535:
-            _fail(f"--port: must be 0…65535, got {port}")
+            fail(f"--port: must be 0…65535, got {port}")
         if print_config:
-            url = f"http://{host}:{port}{'/' + prefix.strip('/') if prefix.strip('/') else ''}"
+            url = f"http://{host}:{port}{normalise_prefix(prefix)}"
             typer.echo(yaml.safe_dump(scheduler_config(url), sort_keys=False), nl=False)
             return
         if kubeconfig is not None and not kubeconfig.is_file():
-            _fail(f"--kubeconfig: {kubeconfig} is not a file")
+            fail(f"--kubeconfig: {kubeconfig} is not a file")
         try:
             profile = build_profile(node_policy, card_policy, card_only_one_scope, topo, seed)
         except GpuplaneError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         catalog = default_catalog()
         cluster = _kube_cluster(catalog, str(kubeconfig) if kubeconfig is not None else None, context)
         core = Extender(cluster, catalog, profile, seed=seed, now=time.time, subscribe_lock=cluster.lock,
@@ -151,12 +137,12 @@ def register(app: typer.Typer) -> None:
 def _kube_cluster(catalog: Catalog, kubeconfig: str | None, context: str | None) -> KubeCluster:
     try:
         api = connect_api(kubeconfig, context)
-    except Exception as exc:  # kubernetes.config.ConfigException and friends: no usable configuration
-        _fail(f"--kubeconfig: cannot load a configuration: {exc}")
+    except KubeConfigError as exc:
+        fail(f"--kubeconfig: cannot load a configuration: {exc}")
     try:
         return KubeCluster(api, catalog)
     except (TimeoutError, ApiError) as exc:
-        _fail(f"cannot list nodes and pods from the API server: {exc}")
+        fail(f"cannot list nodes and pods from the API server: {exc}")
 
 
 def _pod_by_uid(cluster: KubeCluster, uid: str) -> str | None:

@@ -6,7 +6,7 @@ import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuplane.cli.common import fail as _fail
+from gpuplane.cli.common import policy_config
 from gpuplane.model import (
     MILLI_PER_CARD,
     Catalog,
@@ -24,7 +26,7 @@ from gpuplane.model import (
     default_catalog,
 )
 from gpuplane.report import occupancy_histogram, summary_rows, write_report
-from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, default_registry, load_topo_config
+from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.sim import (
     LoadReport,
@@ -82,13 +84,8 @@ def _load(trace: str, nodes_path: Path | None, skip_bad_rows: bool, pools_path: 
 
 def _policy(node_policy: str, card_policy: str | None, scope: str, topo: Path | None, inputs: Inputs,
             seed: int) -> PolicyConfig:
-    try:
-        scope_value = CardOnlyOneScope(scope)
-    except ValueError:
-        raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
-    config = PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
-                          custom_topo=load_topo_config(topo) if topo is not None else None,
-                          typical=TypicalPods.from_workload(p.request for p in inputs.pods), seed=seed)
+    config = policy_config(node_policy, card_policy, scope, topo, seed,
+                           typical=TypicalPods.from_workload(p.request for p in inputs.pods))
     if config.custom_topo is not None:
         names = {n.name for n in inputs.nodes}
         missing = sorted({n for rule in config.custom_topo.rules for n in rule.nodes or () if n not in names})
@@ -707,11 +704,11 @@ def node_guard(
             guard.update_containers(source.containers())  # guarded from the first pass
         else:
             logging.getLogger(__name__).warning("the node's pods are not listed yet: %s", source.informer.last_error)
-        if policies.wait_synced(max(0.0, 30.0 - (time.monotonic() - waited))) and policies.read_node():
+        if policies.wait_synced(max(0.0, 30.0 - (time.monotonic() - waited))):
             guard.update_settings(policies.resolve().options)  # the node's policy from the first pass
         else:
             logging.getLogger(__name__).warning("the node's ColocationPolicy is not known yet, the config file's "
-                                                "thresholds apply: %s", policies.informer.last_error)
+                                                "thresholds apply: %s", policies.last_error)
         feeders = [threading.Thread(target=source.run, args=(guard, stop), name="pod containers", daemon=True),
                    threading.Thread(target=policies.run, args=(guard, stop), name="node policy", daemon=True)]
         for feeder in feeders:
@@ -858,11 +855,6 @@ def scaler(
     finally:
         signal.signal(signal.SIGTERM, previous)
         service.stop()
-
-
-def _fail(message: str) -> NoReturn:
-    err.print(f"[red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def _register_kube_commands() -> None:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-
-def _fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise typer.Exit(2)
+from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +24,7 @@ def register(app: typer.Typer) -> None:
         try:
             paths = write_crds(out)
         except OSError as exc:
-            _fail(f"--out {out}: {exc}")
+            fail(f"--out {out}: {exc}")
         for path in paths:
             print(path)
 
@@ -48,7 +44,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve the validating admission webhook (AdmissionReview v1 on POST /validate) until Ctrl-C or SIGTERM."""
         import logging
-        import signal
 
         from gpuplane.kube.webhook import (
             DEFAULT_DEVICE_PLUGIN_ACCOUNT,
@@ -58,24 +53,22 @@ def register(app: typer.Typer) -> None:
         )
 
         if (cert is None) != (key is None):
-            _fail("--cert and --key go together")
+            fail("--cert and --key go together")
         for flag, path in (("--cert", cert), ("--key", key)):
             if path is not None and not path.is_file():
-                _fail(f"{flag} {path}: no such file")
+                fail(f"{flag} {path}: no such file")
         policy = AdmissionPolicy(frozenset(scheduler_account or [DEFAULT_SCHEDULER_ACCOUNT]),
                                  frozenset(device_plugin_account or [DEFAULT_DEVICE_PLUGIN_ACCOUNT]))
         try:
             server = WebhookServer(policy, addr, port, cert=cert, key=key)
         except (OSError, ValueError) as exc:
-            _fail(f"cannot serve on {addr}:{port}: {exc}")
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            fail(f"cannot serve on {addr}:{port}: {exc}")
+        log_to_stderr()
         logging.getLogger(__name__).info("admission webhook on %s/validate", server.url)
-        def terminate(*_: object) -> None:
-            raise KeyboardInterrupt  # serve_forever runs on this thread: shutdown() from here would wait forever
-
-        signal.signal(signal.SIGTERM, terminate)
+        # serve_forever runs on this thread: shutdown() from a handler here would wait forever.
         try:
-            server.serve_forever()
+            with on_sigterm(interrupt):
+                server.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
@@ -98,13 +91,9 @@ def register(app: typer.Typer) -> None:
                               ] = None,
     ) -> None:
         """Run the controllers in-cluster with leader election on a Lease until Ctrl-C or SIGTERM."""
-        import logging
-        import signal
         import threading
 
-        from kubernetes.config import ConfigException
-
-        from gpuplane.kube.api import connect_api
+        from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
         from gpuplane.kube.operator import HealthServer, run_operator
 
@@ -112,24 +101,24 @@ def register(app: typer.Typer) -> None:
         try:
             config = LeaseConfig(namespace, lease_name, holder, lease_duration, renew_deadline, retry_period)
         except LeaseConfigError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         if kubeconfig is not None and not kubeconfig.is_file():
-            _fail(f"--kubeconfig {kubeconfig}: no such file")
+            fail(f"--kubeconfig {kubeconfig}: no such file")
         try:
             api = connect_api(str(kubeconfig) if kubeconfig else None)
-        except ConfigException as exc:
-            _fail(f"no cluster to talk to: {exc}")
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        except KubeConfigError as exc:
+            fail(f"no cluster to talk to: {exc}")
+        log_to_stderr()
         stop = threading.Event()
         health = None
         if health_port is not None:
             try:
                 health = HealthServer(health_port).start()
             except OSError as exc:
-                _fail(f"--health-port {health_port}: {exc}")
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+                fail(f"--health-port {health_port}: {exc}")
         try:
-            run_operator(api, config, stop, namespace=watch_namespace)
+            with on_sigterm(stop.set):
+                run_operator(api, config, stop, namespace=watch_namespace)
         except KeyboardInterrupt:
             pass
         finally:

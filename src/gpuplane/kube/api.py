@@ -196,11 +196,6 @@ class RestKubeApi:
         return cls(ApiClient(configuration), request_timeout_s=request_timeout_s, page_size=page_size)
 
     @classmethod
-    def from_config(cls, kubeconfig: str | None = None, context: str | None = None, **kwargs: Any) -> RestKubeApi:
-        """`connect_api`: in-cluster config, else the kubeconfig file. Raises `KubeConfigError`."""
-        return connect_api(kubeconfig, context, **kwargs)
-
-    @classmethod
     def from_configuration(cls, configuration: Configuration, **kwargs: Any) -> RestKubeApi:
         return cls(ApiClient(configuration), **kwargs)
 

@@ -4,7 +4,7 @@
   oversubscription), MIG mode and quota.
 - `TidalPolicy` (namespaced): the tidal controller's policy (`gpuplane.model.tidal.TidalPolicy`, which the
   spec model extends, so the same validators run) plus how each service maps onto its workloads.
-- `ColocationPolicy` (namespaced): the co-location guard's thresholds (`GuardSettings`) for matching nodes.
+- `ColocationPolicy` (namespaced): the node co-location guard's thresholds for matching nodes.
 
 Each spec is a pydantic model; its JSON schema becomes the CRD's structural `openAPIV3Schema` (`crd`), and
 `write_crds` writes the CRDs to `deploy/crds/<plural>.gpuplane.io.yaml`. The schema carries what a schema
@@ -17,7 +17,6 @@ Errors name the field path as Kubernetes writes it: `spec.windows[0].shrinkAt: .
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -154,8 +153,9 @@ class TidalPolicySpec(TidalPolicy):
 
 # ------------------------------------------------------------------ ColocationPolicy
 class ColocationPolicySpec(BaseModel):
-    """The co-location guard's online-first thresholds for the nodes it selects (`GuardSettings`)."""
+    """The node co-location guard's online-first thresholds for the nodes it selects."""
 
+    # The node guard's options only: `GuardSettings`' admission fields (admit_*) are the scheduler's.
     model_config = _CONFIG
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="Labels of the nodes the policy covers.")
@@ -176,14 +176,6 @@ class ColocationPolicySpec(BaseModel):
                                       description="Sampling period plus the time an eviction takes to free memory.")
     growth_window_s: float = Field(default=_GUARD.growth_window_s, ge=0, le=7 * 86400,
                                    description="How long a growth observation counts.")
-    admit_hysteresis_bytes: int = Field(default=_GUARD.admit_hysteresis_bytes, ge=0,
-                                        description="Offline is admitted only with this much free beyond the line.")
-    admit_window_s: float = Field(default=_GUARD.admit_window_s, ge=0, le=7 * 86400,
-                                  description="Admission assumes online may return to its peak over this window.")
-
-    def settings(self) -> GuardSettings:
-        names = {f.name for f in dataclasses.fields(GuardSettings)}
-        return GuardSettings(**{name: getattr(self, name) for name in names})
 
 
 # ------------------------------------------------------------------ status

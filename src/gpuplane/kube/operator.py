@@ -54,7 +54,7 @@ from gpuplane.kube.crds import (
 )
 from gpuplane.kube.informer import Informer
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
-from gpuplane.kube.objects import POOL_LABEL, format_time, object_key
+from gpuplane.kube.objects import POOL_LABEL, format_time, object_key, selects
 from gpuplane.kube.pools import PoolRule, conflict_message, plan_pools
 from gpuplane.model import Assignment, Catalog, PodRequest, Taint, default_catalog
 from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
@@ -141,8 +141,10 @@ class Operator:
         self.catalog = catalog if catalog is not None else default_catalog()
         self.namespace = namespace
         self.forecast = forecast
+        # One eviction attempt, no back-off sleep: the controllers' next pass is the retry, and a sleeping
+        # tick would outlast the lease.
         self._cluster_factory = cluster_factory or (
-            lambda: KubeCluster(api, self.catalog, clock=clock, dispatch="manual"))
+            lambda: KubeCluster(api, self.catalog, clock=clock, dispatch="manual", eviction_attempts=1))
         self.cluster: KubeCluster | None = None
         self.informers: dict[str, Informer] = {}
         self.tidal: dict[str, _Tidal] = {}
@@ -295,8 +297,7 @@ class Operator:
 
     def _nodes_matching(self, selector: Mapping[str, str]) -> int:
         assert self.cluster is not None
-        return sum(1 for n in self.cluster.list_nodes()
-                   if all(dict(n.spec.labels).get(k) == v for k, v in selector.items()))
+        return sum(1 for n in self.cluster.list_nodes() if selects(selector, dict(n.spec.labels)))
 
     def _write_status(self, kind: Kind, obj: JsonObject, fields: Mapping[str, Any],
                       conditions: Sequence[tuple[str, bool, str, str]]) -> None:

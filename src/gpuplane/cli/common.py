@@ -1,0 +1,62 @@
+"""What the `gpuplane` commands share: the error console and exit, a daemon's logging and SIGTERM, the policy flags."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from gpuplane.model import GpuplaneError
+from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, load_topo_config
+from gpuplane.scheduler.plugins.frag import TypicalPods
+
+err = Console(stderr=True)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def fail(message: str) -> NoReturn:
+    """Print `error: message` on stderr and exit 2 (bad flags or configuration)."""
+    # Messages name fields such as `spec.windows[0]`: printed as they are, not as markup, and not wrapped.
+    err.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def log_to_stderr() -> None:
+    """A long-running command's log: INFO and above, with times, on stderr."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+
+
+def interrupt() -> NoReturn:
+    """A SIGTERM handler for a server whose loop runs on this thread: end it as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def on_sigterm(handler: Callable[[], None]) -> Iterator[None]:
+    """Within the block SIGTERM calls `handler`; the previous handler is back after it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: handler())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def policy_config(node_policy: str, card_policy: str | None, scope: str = "workload", topo: Path | None = None,
+                  seed: int = 0, *, typical: TypicalPods | None = None) -> PolicyConfig:
+    """The scheduler policy the `--node-policy`, `--card-policy`, `--card-only-one-scope` and `--topo` flags
+    choose; `GpuplaneError` naming the flag on a bad scope or topology file (the registry checks the names)."""
+    try:
+        scope_value = CardOnlyOneScope(scope)
+    except ValueError:
+        raise GpuplaneError(f"--card-only-one-scope: choose workload or all, got {scope!r}") from None
+    return PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
+                        custom_topo=load_topo_config(topo) if topo is not None else None, typical=typical,
+                        seed=seed)
