@@ -266,11 +266,11 @@ REQUIRED: dict[str, set[Grant]] = {
         *{("patch", "gpuplane.io", f"{r}/status", "cluster", None) for r in OPERATOR_CRS},
     } | _lease(NAMESPACE, "gpuplane-operator"),
     # The device plugin: its node's pods (fieldSelector at run time), their bind phase, its node's inventory.
-    # The guard (--from-pods): the same pods, its node's labels, the ColocationPolicies (gpuplane.node.node_policy).
+    # The guard (--from-pods): the same pods, its node's labels (a watch narrowed to it by fieldSelector), the
+    # ColocationPolicies (gpuplane.node.node_policy).
     "gpuplane-node-agent": {
         *{(v, "", "pods", "cluster", None) for v in ("get", "list", "watch", "patch")},
-        ("get", "", "nodes", "cluster", None),
-        ("patch", "", "nodes", "cluster", None),
+        *{(v, "", "nodes", "cluster", None) for v in ("get", "list", "watch", "patch")},
         *{(v, "gpuplane.io", "colocationpolicies", "cluster", None) for v in ("get", "list", "watch")},
     },
     "gpuplane-webhook": set(),

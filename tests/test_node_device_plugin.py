@@ -21,6 +21,7 @@ from tests.fake_kubelet import WAIT_S, FakeKubelet
 from tests.kubeapi_fake import FakeApiServer
 
 from gpuplane.kube.objects import (
+    ASSIGNED_AT,
     BIND_PHASE,
     INVENTORY,
     PHASE_ALLOCATED,
@@ -28,6 +29,7 @@ from gpuplane.kube.objects import (
     QOS_LABEL,
     RES_GPU,
     NodeInventory,
+    ObjectError,
     assignment_annotations,
     node_spec,
 )
@@ -444,6 +446,24 @@ def test_inventory_round_trips_through_the_node_annotation() -> None:
         assert (spec.gpu_model, spec.gpus, spec.topology.numa) == ("H100-80GB", 4, (0, 0, 1, 1))
 
 
+def test_a_node_of_mixed_models_has_no_model_no_inventory_and_no_mig(kubelet: FakeKubelet, sockdir: Path) -> None:
+    """Every card counts, not card 0 alone: an A100 40 GB next to an 80 GB one is no node model."""
+    a100 = CATALOG.get("A100-40GB")
+    backend = FakeGpuBackend(2, [40 * GIB, 80 * GIB], name="NVIDIA A100-SXM4", mig_model=a100)
+    share = CardShare(1, 428, 20480, mig_profile=9, mig_start=4)  # 3g.20gb at [4, 8) of card 1
+    published: list[NodeInventory] = []
+    h = Harness(kubelet, backend, sockdir, source=MemoryAssignmentSource([pod("mig", (share,))]))
+    h.plugin = DevicePlugin(PluginSettings(NODE, kubelet.directory, split=4, allocation=h.allocation), backend,
+                            h.source, publish=published.append)
+    with h:
+        assert h.plugin.model is None and published == []
+        with pytest.raises(grpc.RpcError) as info:
+            kubelet.allocate([h.units(1, 1)])
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "one model per node, found A100-40GB, A100-80GB" in str(info.value.details())
+        assert backend.mig_instances(1) == []
+
+
 def test_the_plugin_publishes_the_inventory_at_start_and_retries_until_it_lands(kubelet: FakeKubelet,
                                                                               sockdir: Path) -> None:
     published: list[NodeInventory] = []
@@ -612,7 +632,7 @@ def test_pending_pod_reads_the_progress(handed: str | None, expected: int) -> No
     assert (None if match is None else (match[1], match[2][0].card)) == {0: (0, 2), 1: (1, 3), 2: None}[expected]
 
 
-@pytest.mark.parametrize("handed", ["-1", "one", "²", ""])
+@pytest.mark.parametrize("handed", ["-1", "one", "²", "", pytest.param("1" * 5000, id="past-int-digit-limit")])
 def test_an_unreadable_progress_is_named_and_the_pod_skipped(handed: str) -> None:
     with pytest.raises(GpuplaneError, match=f"annotations\\[{ALLOCATED_CONTAINERS}\\]"):
         pending_pod(duo_json(handed=handed), NODE)
@@ -620,6 +640,68 @@ def test_an_unreadable_progress_is_named_and_the_pod_skipped(handed: str) -> Non
         server.add_pod(duo_json(handed=handed))
         server.add_pod(pod_json("fine", NODE, (whole(0),)))
         assert [p.key for p in KubeAssignmentSource(server.api, NODE).pending()] == ["ml/fine"]
+
+
+def _set(*path: str | int, value: Any) -> Any:
+    """A change to `duo_json`: `value` at `path` (keys and list indexes)."""
+    def change(raw: dict[str, Any]) -> None:
+        target: Any = raw
+        for step in path[:-1]:
+            target = target[step]
+        target[path[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    # an unknown QoS label was read as online (CUDA_TASK_PRIORITY=0) before
+    (_set("metadata", "labels", QOS_LABEL, value="urgent"), f"metadata.labels[{QOS_LABEL}]"),
+    # an unreadable stamp was ordered last (infinity) before
+    (_set("metadata", "annotations", ASSIGNED_AT, value="yesterday"), f"metadata.annotations[{ASSIGNED_AT}]"),
+    # 1.5 units were truncated to 1 before
+    (_set("spec", "containers", 2, "resources", "limits", RES_GPU, value="1.5"),
+     f"spec.containers[2].resources[{RES_GPU}]"),
+    (_set("spec", "containers", 2, "resources", "limits", RES_GPU, value="-1"),
+     f"spec.containers[2].resources[{RES_GPU}]"),
+    (_set("spec", "containers", 1, value="busybox"), "spec.containers"),  # a container that is no object was skipped
+    (_set("spec", "containers", 2, "resources", "limits", value=[RES_GPU]), "spec.containers[2].resources.limits"),
+])
+def test_an_unreadable_pod_waiting_for_devices_is_named_and_skipped(change: Any, field: str) -> None:
+    raw = duo_json()
+    change(raw)
+    with pytest.raises(ObjectError) as caught:
+        pending_pod(raw, NODE)
+    assert (caught.value.obj, caught.value.field) == ("ml/duo", field)
+    with FakeApiServer() as server:
+        server.add_pod(raw)
+        server.add_pod(pod_json("fine", NODE, (whole(0),)))
+        assert [p.key for p in KubeAssignmentSource(server.api, NODE).pending()] == ["ml/fine"]
+
+
+@pytest.mark.parametrize(("status", "deleting", "waits"), [
+    ("Pending", False, True),  # bound, its containers not started: the kubelet is about to call Allocate
+    ("Unknown", False, True),  # the node lost contact: still bound here
+    ("Running", True, False),  # terminating
+    ("Succeeded", False, False),  # finished: no container will start
+    ("Failed", False, False),
+])
+def test_pending_pod_follows_the_pods_phase(status: str, deleting: bool, waits: bool) -> None:
+    got = pending_pod(with_status(duo_json(), status, terminating=deleting), NODE)
+    assert (got is not None) is waits
+
+
+@pytest.mark.parametrize(("stamp", "assigned_at"), [
+    ("100.5", 100.5),  # what the scheduler writes
+    ("1970-01-01T00:02:00Z", 120.0),  # RFC 3339
+    (None, float("inf")),  # none: after every stamped pod
+])
+def test_pending_pod_reads_the_assignment_stamp(stamp: str | None, assigned_at: float) -> None:
+    raw = duo_json()
+    if stamp is None:
+        del raw["metadata"]["annotations"][ASSIGNED_AT]
+    else:
+        raw["metadata"]["annotations"][ASSIGNED_AT] = stamp
+    got = pending_pod(raw, NODE)
+    assert got is not None and got.assigned_at == assigned_at
 
 
 def test_the_memory_source_keeps_progress_across_plugins(kubelet: FakeKubelet, sockdir: Path) -> None:
@@ -650,6 +732,8 @@ def with_status(raw: dict[str, Any], phase: str, *, terminating: bool = False) -
      True),  # still running its containers
     (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Succeeded"), False),
     (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Failed"), False),
+    # finished but not yet gone: terminating wins (`pod_phase`), so it holds its cards until it is deleted
+    (with_status(pod_json("p", NODE, (whole(0),), phase=PHASE_ALLOCATED), "Succeeded", terminating=True), True),
     (with_status(pod_json("p", "other-node", (whole(0),)), "Running"), False),
 ])
 def test_bound_pod(raw: dict[str, Any], holds: bool) -> None:

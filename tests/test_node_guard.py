@@ -541,6 +541,17 @@ def test_the_documented_example_config_loads(tmp_path: Path) -> None:
     assert (settings.min_slice_s, settings.safety_margin_bytes) == (0.5, 2 * GIB)
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("guard: {poll_s: 0.5}\n", GuardConfig(guard=GuardOptions(poll_s=0.5))),  # containers left out: from the pods
+    ("containers:\n  - {name: chat, card: 0, qos: online, pids: [10]}\n",
+     GuardConfig(containers=(ContainerSpec(name="chat", card=0, qos="online", pids=(10,)),))),
+])
+def test_a_config_file_loads_as_a_guard_config(tmp_path: Path, text: str, expected: GuardConfig) -> None:
+    path = tmp_path / "guard.yaml"
+    path.write_text(text)
+    assert load_guard_config(path) == expected
+
+
 GOOD = "containers:\n  - {name: chat, card: 0, qos: online, pids: [10]}\n"
 
 

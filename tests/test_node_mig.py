@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from gpuplane.cli.device_plugin_cmd import register
 from gpuplane.model import Assignment, CardModel, CardShare, GpuplaneError, MigMode, QoS, default_catalog
+from gpuplane.model.mig import mig_layout_problems
 from gpuplane.node.allocation import BoundPod, MemoryAssignmentSource, PendingPod
 from gpuplane.node.device_plugin import DevicePlugin, MigReconcile, PluginSettings
 from gpuplane.node.gpu import GIB, DeviceBackend, FakeGpuBackend, GpuBackendError, MigInstance, NvmlBackend
@@ -157,6 +158,49 @@ def test_the_fake_refuses_what_the_driver_refuses() -> None:
         backend.destroy_mig_instance(0, 42)
     with pytest.raises(GpuBackendError, match="Not Supported"):
         FakeGpuBackend(1).set_mig_mode(0, True)
+
+
+# H100 (7 compute, 8 memory slices) by profile ID: 0 = 7g [0, 8); 5 = 4g (4 compute) at 0; 9 = 3g (3 compute, 4
+# memory) at 0 or 4; 14 = 2g at 0, 2, 4; 15 = 1g.20gb (1 compute, 2 memory) at 0, 2, 4, 6; 19 = 1g at 0..6;
+# 20 = 1g+me (one at most).
+@pytest.mark.parametrize(("layout", "problems"), [
+    ([], []),
+    ([(5, 0), (9, 4)], []),  # 4 + 3 = 7 compute, [0, 4) and [4, 8)
+    ([(9, 4), (14, 0), (19, 2), (19, 3)], []),  # 3 + 2 + 1 + 1 = 7
+    ([(19, s) for s in range(7)], []),  # 7 × 1g: [0, 7)
+    ([(99, 0)], ["H100-80GB has no GPU-instance profile ID 99"]),
+    ([(9, 2)], ["3g.40gb cannot start at 2 (legal: [0, 4])"]),
+    ([(9, 0), (14, 2)], ["2g.20gb at 2 overlaps another instance"]),  # [0, 4) and [2, 4)
+    ([(19, 7)], ["1g.10gb cannot start at 7 (legal: [0, 1, 2, 3, 4, 5, 6])"]),
+    ([(20, 0), (20, 1)], ["more than 1 × 1g.10gb+me", "2 instances with media extensions (+me), at most 1"]),
+    ([(0, 0), (19, 0)], ["1g.10gb at 0 overlaps another instance", "8 compute slices, the card has 7"]),
+])
+def test_mig_layout_problems(layout: list[tuple[int, int]], problems: list[str]) -> None:
+    assert mig_layout_problems(H100, layout) == problems
+    assert layout_is_legal(H100, [Placement(start, pid) for pid, start in layout]).ok == (not problems)
+
+
+@pytest.mark.parametrize(("present", "profile_id", "start", "code"), [
+    ([], 99, 0, "Invalid Argument"),  # the card has no such profile
+    ([], 9, 2, "Invalid Argument"),  # never a legal start for 3g
+    ([(9, 0)], 14, 2, "Insufficient Resources"),  # legal alone, overlaps the 3g at [0, 4)
+    ([(20, 0)], 20, 1, "Insufficient Resources"),  # the media extensions are taken
+    ([(14, 0), (14, 2), (14, 4)], 14, 6, "Invalid Argument"),  # 2g starts at 0, 2, 4 only
+])
+def test_the_fake_answers_the_drivers_error_codes(present: list[tuple[int, int]], profile_id: int, start: int,
+                                                  code: str) -> None:
+    backend = mig_card(H100, enabled=True)
+    for pid, at in present:
+        backend.create_mig_instance(0, pid, at)
+    with pytest.raises(GpuBackendError, match=rf"^nvmlDeviceCreateGpuInstanceWithPlacement: card 0: .*\({code}\)$"):
+        backend.create_mig_instance(0, profile_id, start)
+    assert [(m.profile_id, m.start) for m in backend.mig_instances(0)] == present
+
+
+def test_a_mig_instances_mask_is_its_memory_slices() -> None:
+    backend = mig_card(H100, enabled=True)
+    three = backend.create_mig_instance(0, 9, 4)  # [4, 8): bits 4..7
+    assert three.mask == 0b1111_0000 == H100.mig_profiles[9].slot_mask(4)
 
 
 def test_a30_geometry() -> None:

@@ -16,6 +16,11 @@ from gpuplane.model.errors import CatalogError
 MILLI_PER_CARD = 1000
 
 
+def slot_mask(start: int, memory_slices: int) -> int:
+    """Bitmask of the memory slices `[start, start + memory_slices)` (bit i: memory slice i)."""
+    return ((1 << memory_slices) - 1) << start
+
+
 @dataclass(frozen=True, slots=True)
 class MigProfile:
     """One GPU-instance profile of a MIG-capable model.
@@ -37,7 +42,7 @@ class MigProfile:
 
     def slot_mask(self, start: int) -> int:
         """Bitmask of the memory slices an instance placed at `start` occupies."""
-        return ((1 << self.memory_slices) - 1) << start
+        return slot_mask(start, self.memory_slices)
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ from gpuplane.node.mig import MigPlan, Wanted, apply_plan, held_instances, plan_
 __all__ = [
     "DEFAULT_DIR", "ENDPOINT", "HEALTHY", "KUBELET_SOCKET", "UNHEALTHY", "VERSION", "AdvertisedDevice",
     "DevicePlugin", "DevicePluginError", "MigReconcile", "PluginSettings", "Wire", "canonical_model",
-    "node_inventory", "protocol", "publish_inventory",
+    "node_inventory", "node_model", "protocol", "publish_inventory",
 ]
 
 log = logging.getLogger(__name__)
@@ -142,21 +142,29 @@ def _nvlink_groups(infos: Sequence[CardInfo]) -> tuple[tuple[int, ...], ...]:
     return tuple(groups)
 
 
-def node_inventory(infos: Sequence[CardInfo], catalog: Catalog, *, split: int = 10,
-                   mig_mode: MigMode | None = None) -> NodeInventory:
-    """The node's `NodeInventory` from its cards: model (canonical), index, UUID, NUMA (0 when unknown), NVLink
-    groups. NVML does not name PCIe switches: a card's NUMA node stands in for its switch. `mig_mode` defaults
-    to DYNAMIC for a MIG-capable model, OFF otherwise. Raises `CatalogError` for a model the catalog lacks."""
+def node_model(infos: Sequence[CardInfo], catalog: Catalog) -> CardModel:
+    """The catalog model of the node's cards (every card canonicalised: one model per node). Raises
+    `CatalogError` for no cards, a model the catalog lacks, or cards of several models."""
     if not infos:
         raise CatalogError("no cards to describe")
     names = {canonical_model(i.name, i.total_bytes, catalog) for i in infos}
     if len(names) > 1:
         raise CatalogError(f"one model per node, found {', '.join(sorted(names))}")
-    model = names.pop()
+    return catalog.get(names.pop())
+
+
+def node_inventory(infos: Sequence[CardInfo], catalog: Catalog, *, split: int = 10,
+                   mig_mode: MigMode | None = None, model: CardModel | None = None) -> NodeInventory:
+    """The node's `NodeInventory` from its cards: model (canonical; `node_model` unless given), index, UUID,
+    NUMA (0 when unknown), NVLink groups. NVML does not name PCIe switches: a card's NUMA node stands in for its
+    switch. `mig_mode` defaults to DYNAMIC for a MIG-capable model, OFF otherwise. Raises `CatalogError` as
+    `node_model` does."""
+    if model is None:
+        model = node_model(infos, catalog)
     if mig_mode is None:
-        mig_mode = MigMode.DYNAMIC if catalog.get(model).mig_capable else MigMode.OFF
+        mig_mode = MigMode.DYNAMIC if model.mig_capable else MigMode.OFF
     cards = tuple(CardInventory(i.index, i.uuid, i.numa or 0, i.numa or 0) for i in infos)
-    return NodeInventory(model, cards, _nvlink_groups(infos), mig_mode=mig_mode, split=split)
+    return NodeInventory(model.name, cards, _nvlink_groups(infos), mig_mode=mig_mode, split=split)
 
 
 def publish_inventory(api: KubeApi, node: str, inventory: NodeInventory) -> None:
@@ -211,6 +219,16 @@ class MigReconcile:
     errors: tuple[str, ...] = ()
     """What failed (left as it was, tried again next round)."""
 
+    def __add__(self, other: MigReconcile) -> MigReconcile:
+        return MigReconcile(self.destroyed + other.destroyed, self.mig_off + other.mig_off,
+                            self.mig_on + other.mig_on, self.errors + other.errors)
+
+    @staticmethod
+    def failed(message: str) -> MigReconcile:
+        """A failure, logged: the card is left as it is and tried again next round."""
+        log.warning("MIG reconcile: %s (left as it is; tried again next round)", message)
+        return MigReconcile(errors=(message,))
+
 
 class DevicePlugin:
     """The `DevicePlugin` service and its registration with kubelet. Methods named like the RPCs are the
@@ -227,6 +245,9 @@ class DevicePlugin:
         self._publish = publish
         self._max_workers = max_workers
         self._cards: list[CardInfo] = []
+        self.model: CardModel | None = None
+        """The node's card model (`node_model`, worked out once by `start`); None when it cannot be."""
+        self._model_error = "the cards are not read yet"
         self._health: dict[str, bool] = {}
         """card UUID -> healthy"""
         self._version = 0
@@ -288,6 +309,11 @@ class DevicePlugin:
             raise DevicePluginError(f"cannot read the cards: {exc}") from exc
         if not self._cards:
             raise DevicePluginError("no GPU cards on this node")
+        try:
+            self.model = node_model(self._cards, self.catalog)
+        except CatalogError as exc:
+            self.model, self._model_error = None, str(exc)
+            log.warning("no inventory published and no MIG instances made: %s", exc)
         self.settings.directory.mkdir(parents=True, exist_ok=True)
         self._stopping = False
         self._check_health()
@@ -412,14 +438,10 @@ class DevicePlugin:
             self._cond.notify_all()
 
     def _publish_inventory(self) -> None:
-        if self._publish is None:
+        if self._publish is None or self.model is None:
             return
-        try:
-            inventory = node_inventory(self._cards, self.catalog, split=self.settings.split,
-                                       mig_mode=self.settings.mig_mode)
-        except CatalogError as exc:
-            log.warning("not publishing the inventory: %s", exc)
-            return
+        inventory = node_inventory(self._cards, self.catalog, split=self.settings.split,
+                                   mig_mode=self.settings.mig_mode, model=self.model)
         encoded = inventory.encode()
         if encoded == self._published:
             return
@@ -548,7 +570,9 @@ class DevicePlugin:
             for instance in present:
                 if instance.profile_id == profile_id and start in (None, instance.start) and instance.uuid:
                     return instance.uuid, ""
-            model = self._model()
+            model = self.model
+            if model is None:
+                return None, f"card {card}: MIG instance (profile {profile_id} at {start}): {self._model_error}"
             info = self._cards[card]
             wanted = Wanted(profile_id, start)
             plan, status = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in present] + [wanted],
@@ -568,7 +592,7 @@ class DevicePlugin:
                     self._cards[card] = replace(info, mig_enabled=True)
                     self._mig_pending.discard(card)
                     return instance.uuid, ""
-        except (GpuBackendError, CatalogError) as exc:
+        except GpuBackendError as exc:
             return None, f"card {card}: MIG instance (profile {profile_id} at {start}): {exc}"
         return None, f"card {card}: no MIG device for profile {profile_id} at {start}"
 
@@ -584,7 +608,7 @@ class DevicePlugin:
         held = held_instances(present, wanted_from_assignments([h.assignment for h in holders], card))
         profile = model.mig_profile(wanted.profile_id)
         mask = profile.slot_mask(wanted.start) if profile is not None and wanted.start is not None else -1
-        apart = [m for m in present if m not in held and not (((1 << m.size) - 1) << m.start) & mask]
+        apart = [m for m in present if m not in held and not m.mask & mask]
         for keep in (list(held) + apart, list(held)):
             plan, _ = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in keep] + [wanted], present,
                                   mig_enabled)
@@ -617,14 +641,12 @@ class DevicePlugin:
                 return MigReconcile(errors=(f"holders: {exc}",))
             now = self._clock()
             assignments = [h.assignment for h in holders]
-            round_ = _Round()
+            done = MigReconcile()
             for card in cards:
-                self._reconcile_card(card.index, mode, wanted_from_assignments(assignments, card.index), now, round_)
-            return MigReconcile(tuple(round_.destroyed), tuple(round_.mig_off), tuple(round_.mig_on),
-                                tuple(round_.errors))
+                done += self._reconcile_card(card.index, mode, wanted_from_assignments(assignments, card.index), now)
+            return done
 
-    def _reconcile_card(self, index: int, mode: MigMode, wanted: Sequence[Wanted], now: float,
-                        round_: _Round) -> None:
+    def _reconcile_card(self, index: int, mode: MigMode, wanted: Sequence[Wanted], now: float) -> MigReconcile:
         grace = self.settings.mig_grace_s
         if wanted:
             self._unwanted.pop(index, None)
@@ -632,17 +654,15 @@ class DevicePlugin:
             self._unwanted.setdefault(index, now)
         if not self._cards[index].mig_enabled:
             self._forget_unheld(index, set())
-            if mode is MigMode.ON:
-                self._set_mig_mode(index, True, round_)
-            return
+            return self._set_mig_mode(index, True) if mode is MigMode.ON else MigReconcile()
         try:
             present = self.backend.mig_instances(index)
         except GpuBackendError as exc:
-            round_.fail(f"card {index}: {exc}")
-            return
+            return MigReconcile.failed(f"card {index}: {exc}")
         held = held_instances(present, wanted)
         keys = {(index, m.gpu_instance_id, m.profile_id, m.start) for m in present}
         self._forget_unheld(index, keys)
+        done = MigReconcile()
         remaining = len(present)
         for instance in present:
             key = (index, instance.gpu_instance_id, instance.profile_id, instance.start)
@@ -654,41 +674,37 @@ class DevicePlugin:
             try:
                 self.backend.destroy_mig_instance(index, instance.gpu_instance_id)
             except GpuBackendError as exc:
-                round_.fail(f"card {index}: destroying GPU instance {instance.gpu_instance_id}: {exc}")
+                done += MigReconcile.failed(f"card {index}: destroying GPU instance {instance.gpu_instance_id}: {exc}")
                 continue
             del self._unheld[key]
             remaining -= 1
-            round_.destroyed.append(instance)
+            done += MigReconcile(destroyed=(instance,))
             log.info("card %d: destroyed GPU instance %d (profile %d at %d): no live pod holds it",
                      index, instance.gpu_instance_id, instance.profile_id, instance.start)
         if (mode is MigMode.DYNAMIC and not remaining and index in self._unwanted
                 and now - self._unwanted[index] >= grace):
-            self._set_mig_mode(index, False, round_)
+            done += self._set_mig_mode(index, False)
+        return done
 
     def _forget_unheld(self, card: int, present: set[tuple[int, int, int, int]]) -> None:
         for key in [k for k in self._unheld if k[0] == card and k not in present]:
             del self._unheld[key]
 
-    def _set_mig_mode(self, index: int, enabled: bool, round_: _Round) -> None:
+    def _set_mig_mode(self, index: int, enabled: bool) -> MigReconcile:
         word = "on" if enabled else "off"
         try:
             in_effect = self.backend.set_mig_mode(index, enabled)
         except GpuBackendError as exc:
-            round_.fail(f"card {index}: MIG mode {word}: {exc}")
-            return
+            return MigReconcile.failed(f"card {index}: MIG mode {word}: {exc}")
         if not in_effect:
             if index not in self._mig_pending:
                 log.warning("card %d: MIG mode %s waits for a GPU reset", index, word)
                 self._mig_pending.add(index)
-            return
+            return MigReconcile()
         self._mig_pending.discard(index)
         self._cards[index] = replace(self._cards[index], mig_enabled=enabled)
-        (round_.mig_on if enabled else round_.mig_off).append(index)
         log.info("card %d: MIG mode %s", index, word)
-
-    def _model(self) -> CardModel:
-        card = self._cards[0]
-        return self.catalog.get(canonical_model(card.name, card.total_bytes, self.catalog))
+        return MigReconcile(mig_on=(index,)) if enabled else MigReconcile(mig_off=(index,))
 
     @staticmethod
     def _prepare_host(allocation: ContainerAllocation) -> None:
@@ -700,17 +716,3 @@ class DevicePlugin:
                 except OSError as exc:
                     log.warning("cannot create %s: %s", mount.host_path, exc)
 
-
-
-@dataclass(slots=True)
-class _Round:
-    """What a MIG reconcile round did so far."""
-
-    destroyed: list[MigInstance] = field(default_factory=list)
-    mig_off: list[int] = field(default_factory=list)
-    mig_on: list[int] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def fail(self, message: str) -> None:
-        log.warning("MIG reconcile: %s (left as it is; tried again next round)", message)
-        self.errors.append(message)

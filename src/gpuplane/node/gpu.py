@@ -24,6 +24,8 @@ import pynvml
 
 from gpuplane.controllers.colocation import GIB
 from gpuplane.model import CardModel, GpuplaneError
+from gpuplane.model.catalog import slot_mask
+from gpuplane.model.mig import mig_layout_problems
 
 __all__ = ["GIB", "CardInfo", "CardReading", "DeviceBackend", "FakeGpuBackend", "GpuBackend", "GpuBackendError",
            "GpuProcess", "MigInstance", "NvmlBackend"]
@@ -111,6 +113,11 @@ class MigInstance:
     gpu_instance_id: int
     compute_instance_id: int | None = None
     uuid: str | None = None
+
+    @property
+    def mask(self) -> int:
+        """Bitmask of the memory slices the instance occupies (bit i: memory slice i)."""
+        return slot_mask(self.start, self.size)
 
 
 class GpuBackend(Protocol):
@@ -519,8 +526,9 @@ class FakeGpuBackend:
 
     Card `i` is `GPU-fake-<i>` (a `uuid_prefix` changes the `fake` part), named `name`. With `mig_model`
     (a catalog `CardModel` with MIG profiles) the cards take MIG instances, starting with MIG mode off (or on,
-    with `mig_enabled`); creating one checks the profile, the legal start, overlap with the instances present,
-    `+me` at most once and the profile's maximum count, as the driver does. `numa` gives each card's NUMA
+    with `mig_enabled`); creating one refuses what the driver refuses (`gpuplane.model.mig.mig_layout_problems`
+    of the instances present and the new one): Invalid Argument for a profile or start the card never takes,
+    Insufficient Resources for one that does not fit next to the others. `numa` gives each card's NUMA
     node, `nvlink_groups` the cards joined by NVLink."""
 
     def __init__(self, cards: int = 1, total_bytes: int | Sequence[int] = 80 * GIB, *, name: str = "Fake GPU",
@@ -616,25 +624,14 @@ class FakeGpuBackend:
             model = self._mig_model
             if model is None or not state.mig_enabled:
                 raise GpuBackendError(f"{call}: card {card}: MIG mode is not enabled (Invalid State)")
-            profile = model.mig_profile(profile_id)
-            if profile is None:
-                raise GpuBackendError(f"{call}: card {card}: no GPU-instance profile {profile_id} (Invalid Argument)")
-            if start not in profile.starts:
-                raise GpuBackendError(f"{call}: card {card}: profile {profile_id} cannot start at {start} "
-                                      f"(legal: {list(profile.starts)}) (Invalid Argument)")
-            mask = profile.slot_mask(start)
-            same = [m for m in state.instances.values() if m.profile_id == profile_id]
-            for other in state.instances.values():
-                other_profile = model.mig_profile(other.profile_id)
-                if mask & ((1 << other.size) - 1) << other.start:
-                    raise GpuBackendError(f"{call}: card {card}: [{start}, {start + profile.memory_slices}) overlaps "
-                                          f"GPU instance {other.gpu_instance_id} (Insufficient Resources)")
-                if profile.media_extensions and other_profile is not None and other_profile.media_extensions:
-                    raise GpuBackendError(f"{call}: card {card}: the media extensions are taken "
-                                          "(Insufficient Resources)")
-            if len(same) >= profile.max_count:
-                raise GpuBackendError(f"{call}: card {card}: profile {profile_id} at its maximum of "
-                                      f"{profile.max_count} (Insufficient Resources)")
+            alone = mig_layout_problems(model, [(profile_id, start)])
+            if alone:
+                raise GpuBackendError(f"{call}: card {card}: {'; '.join(alone)} (Invalid Argument)")
+            layout = [(m.profile_id, m.start) for m in state.instances.values()] + [(profile_id, start)]
+            clashes = mig_layout_problems(model, layout)
+            if clashes:
+                raise GpuBackendError(f"{call}: card {card}: {'; '.join(clashes)} (Insufficient Resources)")
+            profile = model.mig_profiles[profile_id]
             gi = state.next_gi
             state.next_gi += 1
             instance = MigInstance(card, profile_id, start, profile.memory_slices, gi, 0,

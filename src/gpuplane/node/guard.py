@@ -128,14 +128,18 @@ class GuardConfig(BaseModel):
         return self
 
 
+class _GuardFile(GuardConfig):
+    """A configuration file: `containers` may be left out (they come from the node's pods then), but an empty
+    list is refused as a mistake (the default is not validated, an explicit list is)."""
+
+    containers: tuple[ContainerSpec, ...] = Field(default=(), min_length=1)
+
+
 def load_guard_config(path: str | Path) -> GuardConfig:
     """Read a guard configuration (YAML); raises `GuardConfigError("FILE: field: message")`. `containers` may be
-    left out (they come from the node's pods then), but an empty list is refused as a mistake."""
-    config = load_yaml_model(path, GuardConfig, GuardConfigError)
-    if "containers" in config.model_fields_set and not config.containers:
-        raise GuardConfigError(f"{path}: containers: Tuple should have at least 1 item (or leave containers out "
-                               "and take them from the node's pods: --from-pods)")
-    return config
+    left out (they come from the node's pods then), but an empty list is refused."""
+    config = load_yaml_model(path, _GuardFile, GuardConfigError)
+    return GuardConfig(guard=config.guard, containers=config.containers)
 
 
 class GuardActionKind(enum.Enum):
@@ -529,16 +533,8 @@ class ColocationGuard:
     def _continue_recorded(self, now: float, name: str, record: _Record) -> None:
         """A container the state file recorded that is no longer listed: continue its recorded processes that
         are still stopped (same PID, same start time), never leaving them stopped."""
-        stopped = []
-        for recorded in record.pids:
-            stat = read_stat(recorded.pid)
-            if stat is not None and stat.start_ticks == recorded.start_ticks and stat.state is ProcessState.STOPPED:
-                stopped.append(recorded.pid)
-        if stopped:
-            spec = ContainerSpec(name=name, card=record.card, qos="offline", pids=tuple(stopped))
-            self._signal_pids(spec, stopped, signal.SIGCONT)
-            self._record(now, GuardActionKind.RESUME, spec, tuple(stopped),
-                         "recorded as stopped, no longer listed: continued")
+        self._continue_if_stopped(now, name, record.card, [(p.pid, p.start_ticks) for p in record.pids],
+                                  "recorded as stopped, no longer listed: continued")
 
     def _revive(self, tracked: _Offline, now: float) -> None:
         """A forgotten cgroup container whose cgroup has processes again (a restarted container of a pod)."""
@@ -603,16 +599,27 @@ class ColocationGuard:
     def _continue_stopped(self, now: float, containers: Sequence[_Offline]) -> None:
         """After losing the state file: continue every stopped process of these offline containers."""
         for tracked in containers:
-            stopped = []
-            for pid in container_pids(tracked.spec.pids, tracked.spec.cgroup):
-                stat = read_stat(pid)
-                if stat is not None and stat.state is ProcessState.STOPPED:
-                    stopped.append(pid)
-            if stopped:
+            spec = tracked.spec
+            if self._continue_if_stopped(now, spec.name, spec.card,
+                                         [(pid, None) for pid in container_pids(spec.pids, spec.cgroup)],
+                                         "state file unreadable: stopped processes are continued"):
                 self._dirty = True
-                self._signal_pids(tracked.spec, stopped, signal.SIGCONT)
-                self._record(now, GuardActionKind.RESUME, tracked.spec, tuple(stopped),
-                             "state file unreadable: stopped processes are continued")
+
+    def _continue_if_stopped(self, now: float, name: str, card: int, candidates: Sequence[tuple[int, int | None]],
+                             reason: str) -> bool:
+        """SIGCONT the candidate processes (PID, start time or None for any) that are stopped, and record it as a
+        RESUME of container `name` on `card`. Whether any was."""
+        stopped = []
+        for pid, start_ticks in candidates:
+            stat = read_stat(pid)
+            if stat is not None and stat.state is ProcessState.STOPPED and start_ticks in (None, stat.start_ticks):
+                stopped.append(pid)
+        if not stopped:
+            return False
+        spec = ContainerSpec(name=name, card=card, qos="offline", pids=tuple(stopped))
+        self._signal_pids(spec, stopped, signal.SIGCONT)
+        self._record(now, GuardActionKind.RESUME, spec, tuple(stopped), reason)
+        return True
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 

@@ -2,10 +2,9 @@
 present, and apply it through the GPU backend.
 
 Geometry comes from the catalog (`gpuplane.model.catalog.MigProfile`: real profile IDs, legal starts on the
-memory-slice axis, memory slices, `max_count`, `+me`), never from profile names. A layout is legal when its
-instances' `[start, start + memory_slices)` ranges do not overlap, every start is one of the profile's legal
-starts, compute slices sum to at most the card's, at most one instance has the media extensions and no
-profile exceeds its maximum count.
+memory-slice axis, memory slices, `max_count`, `+me`), never from profile names; which layouts are legal, from
+`gpuplane.model.mig.mig_layout_problems` (no overlap, legal starts, compute slices within the card's, `+me` at
+most once, no profile above its maximum count).
 
 `plan_layout` keeps every present instance it can (an instance wanted at a fixed start, e.g. the scheduler's
 `CardShare.mig_start`, keeps only an instance at that start; one wanted anywhere keeps any instance of its
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 from gpuplane.model import Assignment, CardModel
 from gpuplane.model.catalog import MigProfile
+from gpuplane.model.mig import mig_layout_problems
 from gpuplane.node.gpu import DeviceBackend, GpuBackendError, MigInstance
 from gpuplane.port import Status
 
@@ -125,34 +125,8 @@ def held_instances(present: Iterable[MigInstance], wanted: Iterable[Wanted]) -> 
 
 
 def layout_is_legal(model: CardModel, layout: Sequence[Placement]) -> Status:
-    """Whether the instances can coexist on one card of `model` (the rules in the module docstring)."""
-    reasons: list[str] = []
-    used = 0
-    compute = 0
-    media = 0
-    counts: dict[int, int] = {}
-    for p in layout:
-        profile = model.mig_profile(p.profile_id)
-        if profile is None:
-            reasons.append(f"{model.name} has no MIG profile ID {p.profile_id}")
-            continue
-        if p.start not in profile.starts:
-            reasons.append(f"{profile.name} cannot start at {p.start} (legal: {list(profile.starts)})")
-        mask = profile.slot_mask(p.start)
-        if used & mask:
-            reasons.append(f"{profile.name} at {p.start} overlaps another instance")
-        used |= mask
-        compute += profile.compute_slices
-        media += profile.media_extensions
-        counts[p.profile_id] = counts.get(p.profile_id, 0) + 1
-        if counts[p.profile_id] == profile.max_count + 1:
-            reasons.append(f"more than {profile.max_count} × {profile.name}")
-    if used >> model.memory_slices:
-        reasons.append(f"an instance reaches past memory slice {model.memory_slices - 1}")
-    if compute > model.compute_slices:
-        reasons.append(f"{compute} compute slices, the card has {model.compute_slices}")
-    if media > 1:
-        reasons.append(f"{media} instances with media extensions (+me), at most 1")
+    """Whether the instances can coexist on one card of `model` (`gpuplane.model.mig.mig_layout_problems`)."""
+    reasons = mig_layout_problems(model, [(p.profile_id, p.start) for p in layout])
     return Status.error(*reasons) if reasons else Status.success()
 
 

@@ -13,9 +13,10 @@ the guard runs on:
   warning naming the field (once while it stays invalid for the same reason, and only if its selector could
   select the node).
 
-The policies come from an `Informer` on all namespaces' `colocationpolicies`; the node's labels are read
-(`GET /api/v1/nodes/<node>`) every `refresh_s`. A change of either reaches the guard through
-`ColocationGuard.update_settings` at its next pass. While the node cannot be read, its last labels are used.
+The policies come from an `Informer` on all namespaces' `colocationpolicies`, the node's labels from one on
+`/api/v1/nodes` narrowed to the node (`fieldSelector=metadata.name=<node>`): a change of either reaches the guard
+through `ColocationGuard.update_settings` at its next pass, with no request per refresh. While the node's watch is
+broken (or the node is gone), its last labels are used.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
-from gpuplane.kube.api import ApiError, KubeApi, node_path
+from gpuplane.kube.api import KubeApi, node_path
 from gpuplane.kube.crds import COLOCATION_POLICY, ColocationPolicySpec, ResourceError, parse_resource
 from gpuplane.kube.informer import Informer
-from gpuplane.kube.objects import labels_of, object_key
+from gpuplane.kube.objects import labels_of, object_key, selects
 from gpuplane.node.guard import ColocationGuard, GuardOptions
 
 log = logging.getLogger(__name__)
@@ -60,17 +61,13 @@ def policy_options(fallback: GuardOptions, spec: ColocationPolicySpec) -> GuardO
     })
 
 
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return all(labels.get(key) == value for key, value in selector.items())
-
-
 def _may_select(policy: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     """Whether an invalid policy's raw selector could select the node (an unreadable one could)."""
     spec = policy.get("spec")
     selector = spec.get("nodeSelector") if isinstance(spec, Mapping) else None
     if not isinstance(selector, Mapping):
         return True
-    return all(labels.get(str(key)) == value for key, value in selector.items())
+    return selects({str(key): value for key, value in selector.items()}, labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,25 +118,26 @@ def choose_policy(policies: Sequence[Mapping[str, Any]], labels: Mapping[str, st
 class NodePolicySource:
     """Feeds a guard the options of the ColocationPolicy that selects `node` (`fallback`: the config file's).
 
-    `start()` starts the informer; `run(guard, stop)` reads the node and pushes the options to the guard
-    (`update_settings`) when they change: at once on a policy change the watch brings, and every `refresh_s`
-    (the node is re-read then). Metrics go to `registry` (the guard's, so they are served with its own)."""
+    `start()` starts the informers (the policies, the node); `run(guard, stop)` pushes the options to the guard
+    (`update_settings`) when they change: at once on a change either watch brings, and in any case every
+    `refresh_s`. Metrics go to `registry` (the guard's, so they are served with its own)."""
 
     def __init__(self, api: KubeApi, node: str, fallback: GuardOptions, *, refresh_s: float = 5.0,
                  registry: CollectorRegistry | None = None, informer: Informer | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 node_informer: Informer | None = None) -> None:
         self.api = api
-        self.clock = clock
         self.node = node
         self.fallback = fallback
         self.refresh_s = refresh_s
+        self._changed = threading.Event()
         self.informer = informer or Informer(api, POLICIES_ALL, name="colocationpolicies")
         self.informer.add_handler(lambda *_: self._changed.set())
-        self._changed = threading.Event()
+        self.node_informer = node_informer or Informer(api, node_path(), field_selector=f"metadata.name={node}",
+                                                       name=f"node {node}")
+        self.node_informer.add_handler(lambda *_: self._changed.set())
         self.labels: dict[str, str] | None = None
-        """The node's labels as last read (None: never read)."""
+        """The node's labels as last seen (None: never seen)."""
         self.choice = PolicyChoice(fallback)
-        self._node_error = ""
         registry = registry if registry is not None else CollectorRegistry()
         self.info = Info("gpuplane_guard_policy", "The thresholds in force: policy (namespace/name of the "
                          "ColocationPolicy, empty for the config file) and its generation.", registry=registry)
@@ -156,33 +154,40 @@ class NodePolicySource:
 
     def start(self) -> None:
         self.informer.start()
+        self.node_informer.start()
 
     def stop(self) -> None:
         self._changed.set()
         self.informer.stop()
+        self.node_informer.stop()
+
+    @property
+    def has_synced(self) -> bool:
+        """Whether both the policies and the node have been listed."""
+        return self.informer.has_synced and self.node_informer.has_synced
 
     def wait_synced(self, timeout_s: float | None = None) -> bool:
-        return self.informer.wait_synced(timeout_s)
-
-    def read_node(self) -> bool:
-        """Re-read the node's labels; on failure (logged when the error changes) the last ones stay."""
-        try:
-            node = self.api.get(node_path(self.node))
-        except ApiError as exc:
-            message = f"{exc.status} {exc.reason}: {exc.message}".strip()
-            if message != self._node_error:
-                log.warning("node %s cannot be read (its last labels stay in use): %s", self.node, message)
-            self._node_error = message
-            return False
-        self._node_error = ""
-        self.labels = dict(labels_of(node))
+        """Wait (at most `timeout_s` in all) for the first list of the policies and of the node."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for informer in (self.informer, self.node_informer):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not informer.wait_synced(left):
+                return False
         return True
+
+    @property
+    def last_error(self) -> str:
+        """The informers' last errors, for a log line."""
+        return "; ".join(e for e in (self.informer.last_error, self.node_informer.last_error) if e)
 
     def resolve(self) -> PolicyChoice:
         """The options in force now (from the cached policies and the node's last labels), logged and shown in
-        the metrics when they change. Before the node has been read, and before the first policy list, the
-        config file's."""
-        if self.labels is None or not self.informer.has_synced:
+        the metrics when they change. Before both are listed, and before the node has been seen, the config
+        file's."""
+        node = self.node_informer.get(self.node)
+        if node is not None:
+            self.labels = dict(labels_of(node))
+        if self.labels is None or not self.has_synced:
             return self.choice
         old = self.choice
         choice = choose_policy(self.informer.objects(), self.labels, self.fallback, old)
@@ -193,20 +198,16 @@ class NodePolicySource:
     def run(self, guard: ColocationGuard, stop: threading.Event) -> None:
         """Until `stop` is set (and `stop()` called, to wake it): push the node's options to `guard`."""
         pushed = self.choice.options
-        read_due = self.clock()
         while not stop.is_set():
-            if not self.informer.has_synced:
-                self.informer.wait_synced(self.refresh_s)
+            if not self.has_synced:
+                self.wait_synced(self.refresh_s)
                 continue
             self._changed.clear()
-            if self.clock() >= read_due:
-                self.read_node()
-                read_due = self.clock() + self.refresh_s
             options = self.resolve().options
             if options != pushed:
                 guard.update_settings(options)
                 pushed = options
-            self._changed.wait(max(0.0, read_due - self.clock()))
+            self._changed.wait(self.refresh_s)
 
     def _report(self, old: PolicyChoice, new: PolicyChoice) -> None:
         invalid = dict(new.invalid or {})
