@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -287,6 +288,17 @@ class FakeApiServer:
         assert self._httpd is not None, "start the server first"
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}"
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig pointing at this server (no credentials), for commands run as a user would."""
+        path.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{self.url}"}}}}]
+users: [{{name: nobody, user: {{}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
+current-context: fake
+""")
+        return path
 
     @property
     def api(self) -> RestKubeApi:

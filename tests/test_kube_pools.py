@@ -288,14 +288,7 @@ def test_the_extender_command_reads_the_gpu_pools(tmp_path: Path) -> None:
         fake.add_object(CRS, gpu_pool("dev", oversubscriptionRatio=2.0))
         fake.add_object(CRS, gpu_pool("broken", split=0))
         world(fake)
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(f"""apiVersion: v1
-kind: Config
-clusters: [{{name: fake, cluster: {{server: "{fake.url}"}}}}]
-users: [{{name: nobody, user: {{}}}}]
-contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
-current-context: fake
-""")
+        kubeconfig = fake.write_kubeconfig(tmp_path / "kubeconfig")
         script = ("import typer; from gpuplane.cli.extender_cmd import register; app = typer.Typer(); "
                   "app.callback()(lambda: None); register(app); app()")
         env = {**os.environ, "KUBERNETES_SERVICE_HOST": ""}

@@ -439,14 +439,7 @@ containers:
         server.add_node(node_json(NODE, labels=POOL))
         server.add_object(COLOCATION_POLICY.path("team-a"),
                           policy("roomy", safetyMarginBytes=77 * GIB, growthFactor=1.0))
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(f"""apiVersion: v1
-kind: Config
-clusters: [{{name: fake, cluster: {{server: "{server.url}"}}}}]
-users: [{{name: nobody, user: {{}}}}]
-contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
-current-context: fake
-""")
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
         seen: list[ProcessState] = []
         done = threading.Event()
 

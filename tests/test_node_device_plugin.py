@@ -590,14 +590,7 @@ def test_a_restarted_plugin_resumes_a_multi_container_pod_from_the_pod(kubelet: 
     with FakeApiServer() as server:
         server.add_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
         server.add_pod(duo_json())
-        kubeconfig = sockdir / "kubeconfig"
-        kubeconfig.write_text(f"""apiVersion: v1
-kind: Config
-clusters: [{{name: fake, cluster: {{server: "{server.url}"}}}}]
-users: [{{name: nobody, user: {{}}}}]
-contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
-current-context: fake
-""")
+        kubeconfig = server.write_kubeconfig(sockdir / "kubeconfig")
         script = ("import typer; from gpuplane.cli.device_plugin_cmd import register; app = typer.Typer(); "
                   "register(app); app()")
         env = {**os.environ, "NODE_NAME": NODE, "KUBERNETES_SERVICE_HOST": ""}

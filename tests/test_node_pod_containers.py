@@ -531,14 +531,7 @@ def test_node_guard_from_pods_guards_the_nodes_pods(procs: Procs, tmp_path: Path
             group = layout.pod_dir(uid, BEST_EFFORT)
             group.mkdir(parents=True)
             (group / "cgroup.procs").write_text(f"{pid}\n")
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(f"""apiVersion: v1
-kind: Config
-clusters: [{{name: fake, cluster: {{server: "{server.url}"}}}}]
-users: [{{name: nobody, user: {{}}}}]
-contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
-current-context: fake
-""")
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
 
         seen: list[ProcessState] = []
         done = threading.Event()
