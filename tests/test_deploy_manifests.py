@@ -265,13 +265,15 @@ REQUIRED: dict[str, set[Grant]] = {
         *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch") for r in OPERATOR_CRS},
         *{("patch", "gpuplane.io", f"{r}/status", "cluster", None) for r in OPERATOR_CRS},
     } | _lease(NAMESPACE, "gpuplane-operator"),
-    # The device plugin: its node's pods (fieldSelector at run time), their bind phase, its node's inventory.
+    # The device plugin: its node's pods (fieldSelector at run time), their bind phase, its node's inventory, its
+    # node's labels and the GpuPools (gpuplane.node.pool_follow: the split and MIG mode of the node's pool).
     # The guard (--from-pods): the same pods, its node's labels (a watch narrowed to it by fieldSelector), the
     # ColocationPolicies (gpuplane.node.node_policy).
     "gpuplane-node-agent": {
         *{(v, "", "pods", "cluster", None) for v in ("get", "list", "watch", "patch")},
         *{(v, "", "nodes", "cluster", None) for v in ("get", "list", "watch", "patch")},
-        *{(v, "gpuplane.io", "colocationpolicies", "cluster", None) for v in ("get", "list", "watch")},
+        *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch")
+          for r in ("colocationpolicies", "gpupools")},
     },
     "gpuplane-webhook": set(),
     "gpuplane-scaler": set(),

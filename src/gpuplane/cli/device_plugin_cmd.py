@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,6 +21,10 @@ if TYPE_CHECKING:
     from gpuplane.kube.objects import NodeInventory
     from gpuplane.node.gpu import DeviceBackend
 
+POOL_SYNC_S = 10.0
+"""How long the device plugin waits for the GpuPools and its node to be listed before it serves."""
+
+
 def register(app: typer.Typer) -> None:
     """Add `device-plugin` and `mig-apply` to `app`."""
 
@@ -27,27 +33,31 @@ def register(app: typer.Typer) -> None:
         directory: Annotated[Path, typer.Option("--dir", help="kubelet's device-plugin directory")]
             = Path("/var/lib/kubelet/device-plugins/"),
         node_name: Annotated[str | None, typer.Option(help="this node [default: $NODE_NAME]")] = None,
-        split: Annotated[int, typer.Option(help="units advertised per card (containers that may share one)")] = 10,
+        split: Annotated[int, typer.Option(help="units advertised per card (containers that may share one), "
+                                                "unless the node's GpuPool gives its own")] = 10,
         mps: Annotated[bool, typer.Option("--mps", help="the cards run an MPS daemon: hand out MPS client "
                                                         "variables instead of HAMi-core's")] = False,
         mps_pipe_dir: Annotated[str, typer.Option(help="the MPS daemon's pipe directory")] = "/tmp/nvidia-mps",
         vgpu_dir: Annotated[str, typer.Option(help="host directory with libvgpu.so and ld.so.preload")]
             = "/usr/local/vgpu",
-        mig_mode: Annotated[str | None, typer.Option(help="MIG mode published in the inventory: dynamic, on, off "
-                                                          "[default: dynamic on MIG-capable cards]")] = None,
+        mig_mode: Annotated[str | None, typer.Option(help="MIG mode: dynamic, on, off, unless the node's GpuPool "
+                                                          "gives its own [default: dynamic on MIG-capable cards]")]
+            = None,
         fake_cards: Annotated[int | None, typer.Option(help="use N fake cards instead of NVML (a dry run "
                                                             "without a GPU)")] = None,
         fake_model: Annotated[str, typer.Option(help="catalog model of the fake cards")] = "H100-80GB",
         kubeconfig: Annotated[str | None, typer.Option(help="kubeconfig file [default: in-cluster, then "
                                                             "$KUBECONFIG]")] = None,
         interval_s: Annotated[float, typer.Option("--interval", help="seconds between health and socket "
-                                                                     "checks")] = 5.0,
+                                                                     "checks (and GpuPool re-checks)")] = 5.0,
         mig_grace_s: Annotated[float, typer.Option("--mig-grace", help="seconds a MIG instance no live pod holds "
                                                                       "is kept before it is destroyed")] = 60.0,
     ) -> None:
-        """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM."""
+        """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM. The node's GpuPool
+        (label gpuplane.io/pool) gives the split and MIG mode; --split and --mig-mode apply without a valid one."""
         from gpuplane.node.allocation import AllocationSettings, AssignmentSource, MemoryAssignmentSource
-        from gpuplane.node.device_plugin import DevicePlugin, PluginSettings, publish_inventory
+        from gpuplane.node.device_plugin import DevicePlugin, PluginSettings, Sharing, publish_inventory
+        from gpuplane.node.pool_follow import PoolSharingSource
 
         node = node_name or os.environ.get("NODE_NAME")
         if not node:
@@ -69,6 +79,7 @@ def register(app: typer.Typer) -> None:
         backend = _backend(fake_cards, fake_model)
         source: AssignmentSource
         publish: Callable[[NodeInventory], None] | None = None
+        pools: PoolSharingSource | None = None
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.node.allocation import KubeAssignmentSource
 
@@ -76,6 +87,7 @@ def register(app: typer.Typer) -> None:
             api = connect_api(kubeconfig)
             source = KubeAssignmentSource(api, node, settings.resource)
             publish = functools.partial(publish_inventory, api, node)
+            pools = PoolSharingSource(api, node, Sharing(split, mode), refresh_s=interval_s)
         except KubeConfigError as exc:
             if kubeconfig is not None or fake_cards is None:
                 backend.close()
@@ -87,16 +99,31 @@ def register(app: typer.Typer) -> None:
         stop = threading.Event()
         try:
             with on_sigterm(stop.set):
+                if pools is not None:
+                    pools.start()
+                    deadline = time.monotonic() + POOL_SYNC_S
+                    while not (synced := pools.wait_synced(0.05)) and not pools.last_error \
+                            and time.monotonic() < deadline:
+                        pass
+                    if not synced:  # advertise the flags' split; the pool's follows once it is known
+                        logging.getLogger(__name__).warning("the node's GpuPool is not known yet, the flags apply: "
+                                                            "%s", pools.last_error or "no answer")
+                    plugin.set_sharing(pools.resolve().sharing)
+                    threading.Thread(target=pools.run, args=(plugin.set_sharing, stop), name="node pool",
+                                     daemon=True).start()
                 try:
                     plugin.start()
                 except GpuplaneError as exc:
                     fail(str(exc))
-                err.print(f"device plugin: {len(plugin.cards)} cards × {split} units of {settings.resource} on "
-                          f"{plugin.socket_path}")
+                err.print(f"device plugin: {len(plugin.cards)} cards × {plugin.sharing.split} units of "
+                          f"{settings.resource} on {plugin.socket_path}")
                 plugin.run(stop, interval_s)
         except KeyboardInterrupt:
             pass
         finally:
+            stop.set()
+            if pools is not None:
+                pools.stop()
             plugin.stop()
             backend.close()
 

@@ -11,20 +11,40 @@ re-registers, and serves again first when its own socket file is gone.
 deviceSplitCount), each with the card's NUMA node, and sends the whole list again whenever a card's health
 changes: a card is Unhealthy while the backend cannot read the cards, when it is missing from a reading, or
 when its last Xid is critical (`gpuplane.controllers.health.CRITICAL_XIDS`); it turns Healthy again when the
-reading recovers. `Allocate` hands each container what the scheduler assigned (`gpuplane.node.allocation`),
+reading recovers.
+
+Split and MIG mode (`Sharing`) are the flags' (`PluginSettings`) until `set_sharing` gives others: the command
+takes them from the node's GpuPool (`gpuplane.node.pool_follow`). A new split sends the new list at once and is
+published in the inventory; a new MIG mode is published and applied by the next MIG reconcile. A smaller split
+takes units away; kubelet copes (its device manager, `genericDeviceUpdateCallback`, `devicesToAllocate`): each
+list replaces its set of the resource's devices, so the vanished units leave the node's capacity and allocatable
+at its next status update, while the units already allocated stay recorded against their containers (kubelet's
+checkpoint) until their pods end. Running containers keep running and keep what Allocate handed them (nothing is
+revoked or evicted; a restarted container reuses its recorded units without a new Allocate), and new pods get
+only units still listed and not in use. Until those pods end, the node may hold more containers than the new
+split allows (kube-scheduler then sees allocatable below what is requested there and places no more), and one
+caveat: a pod kubelet admits again (after a kubelet restart with its container not running, or a node reboot)
+is refused with "previously allocated devices are no longer healthy", as for a unit turned Unhealthy; drain the
+node first where that matters. Allocate still accepts a unit up to the largest split advertised, for a pick
+kubelet made from a list sent before the split shrank (the unit names no card slot: what a container gets is the
+scheduler's assignment). `Allocate` hands each container what the scheduler assigned (`gpuplane.node.allocation`),
 creating a MIG instance the assignment names when it does not exist yet; an unknown unit fails with
 `NOT_FOUND`, an unhealthy one or no pod to match with `FAILED_PRECONDITION`, and either pushes a fresh
 `ListAndWatch` update. When the assigned instance cannot be placed next to the instances present, instances no
 live pod holds make way for it (those overlapping it first, then all of them).
 
-MIG reconcile (`reconcile_mig`, every `tick`, in DYNAMIC and ON mode): each MIG-mode card's instances are
-compared with the MIG shares of the pods bound to this node that have not finished (`AssignmentSource.holders`).
+MIG reconcile (`reconcile_mig`, every `tick`, in every mode while a card is in MIG mode, or ought to be (ON)): each
+MIG-mode card's instances are compared with the MIG shares of the pods bound to this node that have not finished
+(`AssignmentSource.holders`).
 An instance no such pod holds is destroyed once it has been unheld for `mig_grace_s` (a pod being created, or a
-new pod placed where a deleted one was, is not raced); in DYNAMIC mode a card left without instances that no
-live pod has wanted for `mig_grace_s` leaves MIG mode (it enters MIG mode again with the next instance
-`Allocate` creates); in ON mode a card stays in MIG mode, and one found out of it is put back. An instance a
-live pod holds is never destroyed, and nothing is destroyed while the pods cannot be listed in full. A backend
-error leaves the card as it is; it is logged and tried again next round.
+new pod placed where a deleted one was, is not raced); in DYNAMIC and OFF mode a card left without instances that
+no live pod has wanted for `mig_grace_s` leaves MIG mode; in ON mode a card stays in MIG mode, and one found out
+of it is put back. An instance a live pod holds is never destroyed, and nothing is destroyed while the pods
+cannot be listed in full, so a card is never forced out of MIG mode: under OFF, a card whose instances live pods
+hold (or want) stays in MIG mode, logged once, and leaves it in the round after they end. `Allocate` puts a card
+into MIG mode for a MIG share in DYNAMIC and ON mode, never in OFF (refused, FAILED_PRECONDITION: the scheduler
+places no MIG share on an OFF node); on a card still in MIG mode it serves the share, assigned before the mode
+changed. A backend error leaves the card as it is; it is logged and tried again next round.
 
 The node inventory (annotation `gpuplane.io/gpu-inventory`) is built from the backend (`node_inventory`) and
 published at start and whenever it changes. The protocol is loaded at run time from `deviceplugin.proto`
@@ -63,7 +83,7 @@ from gpuplane.node.mig import MigPlan, Wanted, apply_plan, held_instances, plan_
 
 __all__ = [
     "DEFAULT_DIR", "ENDPOINT", "HEALTHY", "KUBELET_SOCKET", "UNHEALTHY", "VERSION", "AdvertisedDevice",
-    "DevicePlugin", "DevicePluginError", "MigReconcile", "PluginSettings", "Wire", "canonical_model",
+    "DevicePlugin", "DevicePluginError", "MigReconcile", "PluginSettings", "Sharing", "Wire", "canonical_model",
     "node_inventory", "node_model", "protocol", "publish_inventory",
 ]
 
@@ -182,10 +202,10 @@ class PluginSettings:
     endpoint: str = ENDPOINT
     resource: str = RES_GPU
     split: int = 10
-    """Units per card: containers that may share one card."""
+    """Units per card: containers that may share one card (until `set_sharing` gives another)."""
     allocation: AllocationSettings = field(default_factory=AllocationSettings)
     mig_mode: MigMode | None = None
-    """Published in the inventory (None: DYNAMIC for MIG-capable models, else OFF)."""
+    """The MIG mode (None: DYNAMIC for MIG-capable models, else OFF), until `set_sharing` gives another."""
     register_timeout_s: float = 5.0
     mig_grace_s: float = 60.0
     """How long a MIG instance no live pod holds (and a MIG card no live pod wants) is left before the reconcile
@@ -198,6 +218,22 @@ class PluginSettings:
             raise ValueError(f"mig_grace_s must not be negative, got {self.mig_grace_s}")
         if "/" in self.endpoint or self.endpoint == KUBELET_SOCKET:
             raise ValueError(f"endpoint {self.endpoint!r}: a socket file name in the directory, not kubelet.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class Sharing:
+    """How the node's cards are shared: units per card and the MIG mode (None: DYNAMIC for MIG-capable models,
+    else OFF). The flags' (`PluginSettings`) until `DevicePlugin.set_sharing` gives the node's GpuPool's."""
+
+    split: int
+    mig_mode: MigMode | None = None
+
+    def __post_init__(self) -> None:
+        if self.split < 1:
+            raise ValueError(f"split must be at least 1, got {self.split}")
+
+    def describe(self) -> str:
+        return f"split {self.split}, MIG mode {self.mig_mode.value if self.mig_mode else 'by card model'}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +268,8 @@ class MigReconcile:
 
 class DevicePlugin:
     """The `DevicePlugin` service and its registration with kubelet. Methods named like the RPCs are the
-    servicer; `start`, `tick`, `run` and `stop` drive it. `clock` (seconds) times the MIG grace period."""
+    servicer; `start`, `tick`, `run` and `stop` drive it; `set_sharing` (any thread) changes the split and MIG
+    mode. `clock` (seconds) times the MIG grace period."""
 
     def __init__(self, settings: PluginSettings, backend: DeviceBackend, source: AssignmentSource, *,
                  catalog: Catalog | None = None, publish: Callable[[NodeInventory], None] | None = None,
@@ -267,6 +304,13 @@ class DevicePlugin:
         self._registered_with: tuple[int, int] | None = None
         """(inode, ctime) of the kubelet.sock registered with."""
         self._published: str | None = None
+        self._publish_lock = threading.Lock()
+        self._sharing = Sharing(settings.split, settings.mig_mode)
+        """In force now (guarded by `_cond`)."""
+        self._max_split = settings.split
+        """The largest split advertised since start: units up to it are still accepted by Allocate."""
+        self._kept_in_mig: set[int] = set()
+        """Cards whose leaving MIG mode (mode OFF) waits for their live instances to end (logged once)."""
         self.registrations = 0
         """Successful Register calls (tests count re-registrations)."""
 
@@ -284,6 +328,29 @@ class DevicePlugin:
     def cards(self) -> list[CardInfo]:
         return list(self._cards)
 
+    @property
+    def sharing(self) -> Sharing:
+        """The split and MIG mode in force."""
+        with self._cond:
+            return self._sharing
+
+    def set_sharing(self, sharing: Sharing) -> bool:
+        """Use `sharing` from now on (the node's GpuPool's, or the flags'); whether it changed anything. A new split
+        is sent to kubelet at once (a ListAndWatch update) and published in the inventory with the MIG mode; the
+        MIG reconcile (`tick`) applies a new MIG mode. Safe from any thread."""
+        with self._cond:
+            old = self._sharing
+            if sharing == old:
+                return False
+            self._sharing = sharing
+            self._max_split = max(self._max_split, sharing.split)
+            if sharing.split != old.split:
+                self._version += 1
+                self._cond.notify_all()
+        log.info("sharing: %s (was %s)", sharing.describe(), old.describe())
+        self._publish_inventory()
+        return True
+
     def devices(self) -> list[AdvertisedDevice]:
         """What ListAndWatch advertises now."""
         with self._cond:
@@ -291,7 +358,7 @@ class DevicePlugin:
 
     def _devices(self) -> list[AdvertisedDevice]:
         return [AdvertisedDevice(f"{card.uuid}::{k}", self._health.get(card.uuid, False), card.numa)
-                for card in self._cards for k in range(self.settings.split)]
+                for card in self._cards for k in range(self._sharing.split)]
 
     def _bump(self) -> None:
         with self._cond:
@@ -440,17 +507,19 @@ class DevicePlugin:
     def _publish_inventory(self) -> None:
         if self._publish is None or self.model is None:
             return
-        inventory = node_inventory(self._cards, self.catalog, split=self.settings.split,
-                                   mig_mode=self.settings.mig_mode, model=self.model)
-        encoded = inventory.encode()
-        if encoded == self._published:
-            return
-        try:
-            self._publish(inventory)
-        except Exception as exc:  # the API server may be away; try again next round
-            log.warning("publishing the inventory failed: %s", exc)
-            return
-        self._published = encoded
+        with self._publish_lock:  # tick and set_sharing may both publish: one at a time, the newest last
+            sharing = self.sharing
+            inventory = node_inventory(self._cards, self.catalog, split=sharing.split, mig_mode=sharing.mig_mode,
+                                       model=self.model)
+            encoded = inventory.encode()
+            if encoded == self._published:
+                return
+            try:
+                self._publish(inventory)
+            except Exception as exc:  # the API server may be away; try again next round
+                log.warning("publishing the inventory failed: %s", exc)
+                return
+            self._published = encoded
 
     # -- gRPC servicer (requests and contexts are the runtime-generated protobuf and grpc objects) ------------
 
@@ -518,12 +587,13 @@ class DevicePlugin:
         by_uuid = {c.uuid: c for c in self._cards}
         with self._cond:
             health = dict(self._health)
+            split, units = self._sharing.split, self._max_split
         for device in ids:
             uuid, sep, k = device.rpartition("::")
-            if not sep or uuid not in by_uuid or not k.isdigit() or int(k) >= self.settings.split:
+            if not sep or uuid not in by_uuid or not k.isdigit() or int(k) >= units:
                 self._fail(context, grpc.StatusCode.NOT_FOUND,
                            f"container request {number}: unknown device {device!r} (this plugin advertises "
-                           f"<card uuid>::<0..{self.settings.split - 1}>)")
+                           f"<card uuid>::<0..{split - 1}>)")
             if not health.get(uuid, False):
                 self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
                            f"container request {number}: device {device!r} is {UNHEALTHY}")
@@ -574,6 +644,9 @@ class DevicePlugin:
             if model is None:
                 return None, f"card {card}: MIG instance (profile {profile_id} at {start}): {self._model_error}"
             info = self._cards[card]
+            if not info.mig_enabled and self.mig_mode() is MigMode.OFF:
+                return None, (f"card {card}: MIG instance (profile {profile_id} at {start}): the node's MIG mode is "
+                              "off and the card is not in MIG mode")
             wanted = Wanted(profile_id, start)
             plan, status = plan_layout(model, card, [Wanted(m.profile_id, m.start) for m in present] + [wanted],
                                        present, info.mig_enabled)
@@ -619,9 +692,11 @@ class DevicePlugin:
     # -- MIG reconcile ------------------------------------------------------------------------------------------
 
     def mig_mode(self) -> MigMode:
-        """The node's MIG mode: the setting, or DYNAMIC when the cards have MIG and OFF when they do not."""
-        if self.settings.mig_mode is not None:
-            return self.settings.mig_mode
+        """The node's MIG mode: the one in force (`sharing`), or DYNAMIC when the cards have MIG and OFF when they
+        do not."""
+        mode = self.sharing.mig_mode
+        if mode is not None:
+            return mode
         return MigMode.DYNAMIC if any(c.mig_enabled is not None for c in self._cards) else MigMode.OFF
 
     def reconcile_mig(self) -> MigReconcile:
@@ -629,9 +704,12 @@ class DevicePlugin:
         docstring has the rules). Lists the pods only when some card is in MIG mode, or ought to be (ON)."""
         mode = self.mig_mode()
         cards = [c for c in self._cards if c.mig_enabled is not None]
-        if mode is MigMode.OFF or not cards or (mode is MigMode.DYNAMIC and not any(c.mig_enabled for c in cards)):
+        if mode is not MigMode.OFF:
+            self._kept_in_mig.clear()
+        if not cards or (mode is not MigMode.ON and not any(c.mig_enabled for c in cards)):
             self._unheld.clear()
             self._unwanted.clear()
+            self._kept_in_mig.clear()
             return MigReconcile()
         with self._alloc_lock:
             try:
@@ -681,9 +759,16 @@ class DevicePlugin:
             done += MigReconcile(destroyed=(instance,))
             log.info("card %d: destroyed GPU instance %d (profile %d at %d): no live pod holds it",
                      index, instance.gpu_instance_id, instance.profile_id, instance.start)
-        if (mode is MigMode.DYNAMIC and not remaining and index in self._unwanted
-                and now - self._unwanted[index] >= grace):
+        if mode is MigMode.ON:
+            return done
+        if not remaining and index in self._unwanted and now - self._unwanted[index] >= grace:
+            self._kept_in_mig.discard(index)
             done += self._set_mig_mode(index, False)
+        elif mode is MigMode.OFF and index not in self._kept_in_mig and (held or wanted):
+            self._kept_in_mig.add(index)
+            log.warning("card %d: stays in MIG mode although the node's MIG mode is off: live pods hold or want MIG "
+                        "instances on it (%d present); it leaves MIG mode once they end (checked every round)",
+                        index, remaining)
         return done
 
     def _forget_unheld(self, card: int, present: set[tuple[int, int, int, int]]) -> None:

@@ -13,8 +13,8 @@ the guard runs on:
   warning naming the field (once while it stays invalid for the same reason, and only if its selector could
   select the node).
 
-The policies come from an `Informer` on all namespaces' `colocationpolicies`, the node's labels from one on
-`/api/v1/nodes` narrowed to the node (`fieldSelector=metadata.name=<node>`): a change of either reaches the guard
+The policies and the node's labels come from a `gpuplane.kube.node_watch.NodeWatch` (an `Informer` on all
+namespaces' `colocationpolicies`, one on `/api/v1/nodes` narrowed to the node): a change of either reaches the guard
 through `ColocationGuard.update_settings` at its next pass, with no request per refresh. While the node's watch is
 broken (or the node is gone), its last labels are used.
 """
@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
-from gpuplane.kube.api import KubeApi, node_path
+from gpuplane.kube.api import KubeApi
 from gpuplane.kube.crds import COLOCATION_POLICY, ColocationPolicySpec, ResourceError, parse_resource
 from gpuplane.kube.informer import Informer
-from gpuplane.kube.objects import labels_of, object_key, selects
+from gpuplane.kube.node_watch import NodeWatch
+from gpuplane.kube.objects import object_key, selects
 from gpuplane.node.guard import ColocationGuard, GuardOptions
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,10 @@ class NodePolicySource:
         self.node = node
         self.fallback = fallback
         self.refresh_s = refresh_s
-        self._changed = threading.Event()
-        self.informer = informer or Informer(api, POLICIES_ALL, name="colocationpolicies")
-        self.informer.add_handler(lambda *_: self._changed.set())
-        self.node_informer = node_informer or Informer(api, node_path(), field_selector=f"metadata.name={node}",
-                                                       name=f"node {node}")
-        self.node_informer.add_handler(lambda *_: self._changed.set())
-        self.labels: dict[str, str] | None = None
-        """The node's labels as last seen (None: never seen)."""
+        self.watch = NodeWatch(api, node, POLICIES_ALL, name="colocationpolicies", informer=informer,
+                               node_informer=node_informer)
+        self.informer = self.watch.informer
+        self.node_informer = self.watch.node_informer
         self.choice = PolicyChoice(fallback)
         registry = registry if registry is not None else CollectorRegistry()
         self.info = Info("gpuplane_guard_policy", "The thresholds in force: policy (namespace/name of the "
@@ -153,44 +149,39 @@ class NodePolicySource:
         self._show(self.choice)
 
     def start(self) -> None:
-        self.informer.start()
-        self.node_informer.start()
+        self.watch.start()
 
     def stop(self) -> None:
-        self._changed.set()
-        self.informer.stop()
-        self.node_informer.stop()
+        self.watch.stop()
 
     @property
     def has_synced(self) -> bool:
         """Whether both the policies and the node have been listed."""
-        return self.informer.has_synced and self.node_informer.has_synced
+        return self.watch.has_synced
 
     def wait_synced(self, timeout_s: float | None = None) -> bool:
         """Wait (at most `timeout_s` in all) for the first list of the policies and of the node."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for informer in (self.informer, self.node_informer):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not informer.wait_synced(left):
-                return False
-        return True
+        return self.watch.wait_synced(timeout_s)
 
     @property
     def last_error(self) -> str:
         """The informers' last errors, for a log line."""
-        return "; ".join(e for e in (self.informer.last_error, self.node_informer.last_error) if e)
+        return self.watch.last_error
+
+    @property
+    def labels(self) -> dict[str, str] | None:
+        """The node's labels as last seen (None: never seen)."""
+        return self.watch.labels
 
     def resolve(self) -> PolicyChoice:
         """The options in force now (from the cached policies and the node's last labels), logged and shown in
         the metrics when they change. Before both are listed, and before the node has been seen, the config
         file's."""
-        node = self.node_informer.get(self.node)
-        if node is not None:
-            self.labels = dict(labels_of(node))
-        if self.labels is None or not self.has_synced:
+        labels = self.watch.node_labels()
+        if labels is None or not self.has_synced:
             return self.choice
         old = self.choice
-        choice = choose_policy(self.informer.objects(), self.labels, self.fallback, old)
+        choice = choose_policy(self.watch.objects(), labels, self.fallback, old)
         self._report(old, choice)
         self.choice = choice
         return choice
@@ -198,16 +189,15 @@ class NodePolicySource:
     def run(self, guard: ColocationGuard, stop: threading.Event) -> None:
         """Until `stop` is set (and `stop()` called, to wake it): push the node's options to `guard`."""
         pushed = self.choice.options
-        while not stop.is_set():
-            if not self.has_synced:
-                self.wait_synced(self.refresh_s)
-                continue
-            self._changed.clear()
+
+        def step() -> None:
+            nonlocal pushed
             options = self.resolve().options
             if options != pushed:
                 guard.update_settings(options)
                 pushed = options
-            self._changed.wait(self.refresh_s)
+
+        self.watch.follow(step, stop, self.refresh_s)
 
     def _report(self, old: PolicyChoice, new: PolicyChoice) -> None:
         invalid = dict(new.invalid or {})
