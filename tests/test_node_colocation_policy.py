@@ -8,8 +8,6 @@ explicit times (`tick(now)`).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.kubeapi_fake import FakeApiServer, node_json
-from tests.test_node_guard import FakeClock, Procs, wait_state
+from tests.test_node_guard import FakeClock, Procs, sigterm_self_when, wait_state
 from typer.testing import CliRunner
 
 from gpuplane.cli.main import app
@@ -30,7 +28,7 @@ from gpuplane.node import gpu
 from gpuplane.node.gpu import GIB, FakeGpuBackend
 from gpuplane.node.guard import ColocationGuard, ContainerSpec, GuardActionKind, GuardConfig, GuardOptions
 from gpuplane.node.node_policy import FILE, NodePolicySource, PolicyChoice, choose_policy, policy_options
-from gpuplane.node.processes import ProcessState, process_state
+from gpuplane.node.processes import ProcessState
 
 NODE = "gpu-node-1"
 POOL = {"gpuplane.io/pool": "shared"}
@@ -434,37 +432,14 @@ containers:
   - {{name: chat, card: 0, qos: online, pids: [{chat}]}}
   - {{name: batch, card: 0, qos: offline, pids: [{batch}]}}
 """)
-    previous = signal.getsignal(signal.SIGTERM)
     with FakeApiServer() as server:
         server.add_node(node_json(NODE, labels=POOL))
         server.add_object(COLOCATION_POLICY.path("team-a"),
                           policy("roomy", safetyMarginBytes=77 * GIB, growthFactor=1.0))
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-        seen: list[ProcessState] = []
-        done = threading.Event()
-
-        def stop_when_evicted() -> None:
-            """SIGTERM the command (this process) once the offline process has exited, and only while its own
-            handler is in place: never the test runner itself."""
-            deadline = time.monotonic() + 10
-            while process_state(batch) is not ProcessState.ZOMBIE and time.monotonic() < deadline:
-                if done.wait(0.005):
-                    return
-            seen.append(process_state(batch))
-            while signal.getsignal(signal.SIGTERM) is previous:
-                if done.wait(0.005):
-                    return
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        watcher = threading.Thread(target=stop_when_evicted)
-        watcher.start()
-        try:
+        with sigterm_self_when(batch, ProcessState.ZOMBIE) as seen:  # once the offline process is evicted
             result = CliRunner().invoke(app, ["node-guard", "--config", str(config), "--from-pods", "--kubeconfig",
                                               str(kubeconfig), "--refresh-s", "0.5"])
-        finally:
-            done.set()
-            watcher.join()
-            signal.signal(signal.SIGTERM, previous)
     assert result.exit_code == 0, result.output
     assert seen == [ProcessState.ZOMBIE]
     procs.assert_online_untouched(chat)

@@ -14,9 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,36 @@ print("ready", flush=True)
 while True:
     time.sleep(1)
 """
+
+
+@contextmanager
+def sigterm_self_when(pid: int, state: ProcessState) -> Iterator[list[ProcessState]]:
+    """For a command run in this process (CliRunner): SIGTERM it once `pid` reaches `state` (10 s at most), and
+    only while the command's own SIGTERM handler is in place, never the test runner itself. Yields the list the
+    state seen then is appended to; restores the previous handler on exit."""
+    previous = signal.getsignal(signal.SIGTERM)
+    seen: list[ProcessState] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 10
+        while process_state(pid) is not state and time.monotonic() < deadline:
+            if done.wait(0.005):
+                return
+        seen.append(process_state(pid))
+        while signal.getsignal(signal.SIGTERM) is previous:
+            if done.wait(0.005):
+                return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wait_state(pid: int, state: ProcessState, timeout_s: float = 2.0) -> None:

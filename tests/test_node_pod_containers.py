@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.kubeapi_fake import FakeApiServer, pod_json
-from tests.test_node_guard import FakeClock, Procs, wait_state
+from tests.test_node_guard import FakeClock, Procs, sigterm_self_when, wait_state
 from typer.testing import CliRunner
 
 from gpuplane.cli.main import app
@@ -429,11 +428,9 @@ def test_a_restarted_container_of_a_pod_is_guarded_again(procs: Procs, node: Cal
     assert n.guard.actions[1].pids == (second,)
 
 
-@pytest.mark.parametrize("deleted", [False, True])
-def test_a_restarted_guard_takes_over_or_continues_what_it_stopped(procs: Procs, node: Callable[..., Node],
-                                                                  tmp_path: Path, deleted: bool) -> None:
+def stopped_by_a_first_guard(procs: Procs, node: Callable[..., Node], state: Path) -> tuple[int, int, Node]:
+    """A guard recording to `state` that has stopped the offline pod `batch` for the online pod `chat`."""
     chat, batch = procs.online(), procs.busy()
-    state = tmp_path / "guard-state.json"
     first = node(state_file=state)
     first.pod("chat", "online", share(0, 8192), pids=(chat,))
     first.pod("batch", "offline", share(0, 4096), pids=(batch,))
@@ -442,6 +439,14 @@ def test_a_restarted_guard_takes_over_or_continues_what_it_stopped(procs: Procs,
     first.backend.set_process(0, chat, GIB, 80.0)
     first.at(1.0)
     wait_state(batch, ProcessState.STOPPED)
+    return chat, batch, first
+
+
+@pytest.mark.parametrize("deleted", [False, True])
+def test_a_restarted_guard_takes_over_or_continues_what_it_stopped(procs: Procs, node: Callable[..., Node],
+                                                                  tmp_path: Path, deleted: bool) -> None:
+    state = tmp_path / "guard-state.json"
+    chat, batch, first = stopped_by_a_first_guard(procs, node, state)
     if deleted:  # deleted while no guard ran: the next guard must not leave its process stopped
         first.server.api.delete("/api/v1/namespaces/default/pods/batch")
     second = node(state_file=state)  # a new guard, no containers configured: all from the pods
@@ -461,16 +466,8 @@ def test_a_restarted_guard_takes_over_or_continues_what_it_stopped(procs: Procs,
 def test_a_guard_with_no_containers_left_continues_what_its_predecessor_stopped(procs: Procs,
                                                                               node: Callable[..., Node],
                                                                               tmp_path: Path) -> None:
-    chat, batch = procs.online(), procs.busy()
     state = tmp_path / "guard-state.json"
-    first = node(state_file=state)
-    first.pod("chat", "online", share(0, 8192), pids=(chat,))
-    first.pod("batch", "offline", share(0, 4096), pids=(batch,))
-    wait_for(lambda: len(first.source.containers()) == 2, "the pods")
-    first.sync()
-    first.backend.set_process(0, chat, GIB, 80.0)
-    first.at(1.0)
-    wait_state(batch, ProcessState.STOPPED)
+    _chat, batch, first = stopped_by_a_first_guard(procs, node, state)
     for name in ("chat", "batch"):  # every pod gone while no guard ran
         first.server.api.delete(f"/api/v1/namespaces/default/pods/{name}")
     second = node(state_file=state)
@@ -524,7 +521,6 @@ def test_node_guard_from_pods_guards_the_nodes_pods(procs: Procs, tmp_path: Path
     layout = CgroupLayout("cgroupfs", tmp_path / "cgroup")
     config = tmp_path / "guard.yaml"
     config.write_text("guard: {poll_s: 0.01}\n")
-    previous = signal.getsignal(signal.SIGTERM)
     with FakeApiServer() as server:
         for name, qos, pid, uid in (("chat", "online", chat, UID), ("batch", "offline", batch, UID[::-1])):
             server.add_pod(gpu_pod(name, share(0, 4096), qos=qos, uid=uid))
@@ -532,33 +528,10 @@ def test_node_guard_from_pods_guards_the_nodes_pods(procs: Procs, tmp_path: Path
             group.mkdir(parents=True)
             (group / "cgroup.procs").write_text(f"{pid}\n")
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-
-        seen: list[ProcessState] = []
-        done = threading.Event()
-
-        def stop_when_stopped() -> None:
-            """SIGTERM the command (this process) once it has stopped the offline process, and only while its
-            own handler is in place: never the test runner itself."""
-            deadline = time.monotonic() + 10
-            while process_state(batch) is not ProcessState.STOPPED and time.monotonic() < deadline:
-                if done.wait(0.005):
-                    return
-            seen.append(process_state(batch))
-            while signal.getsignal(signal.SIGTERM) is previous:
-                if done.wait(0.005):
-                    return
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        watcher = threading.Thread(target=stop_when_stopped)
-        watcher.start()
-        try:
+        with sigterm_self_when(batch, ProcessState.STOPPED) as seen:  # once it has stopped the offline process
             result = runner.invoke(app, ["node-guard", "--config", str(config), "--from-pods", "--kubeconfig",
                                          str(kubeconfig), "--cgroup-driver", "cgroupfs", "--cgroup-root",
                                          str(tmp_path / "cgroup"), "--refresh-s", "0.5"])
-        finally:
-            done.set()
-            watcher.join()
-            signal.signal(signal.SIGTERM, previous)
     assert result.exit_code == 0, result.output
     assert seen == [ProcessState.STOPPED]
     # It had stopped the offline pod's process (the watcher saw it) and, with no state file for a successor,
