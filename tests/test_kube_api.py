@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
 
 from gpuplane.kube.api import ApiError, KubeApi, RestKubeApi, pod_path
 from gpuplane.kube.informer import Informer
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 
 PODS = "/api/v1/namespaces/default/pods"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases"

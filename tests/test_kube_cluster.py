@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
-from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
 
 from gpuplane.kube.cluster import KubeCluster, pod_manifest
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,

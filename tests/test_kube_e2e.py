@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 from tests.fake_kubelet import WAIT_S, FakeKubelet
-from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
 
 from gpuplane.cli.extender_cmd import build_profile
 from gpuplane.kube.api import RestKubeApi, pod_path
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
 from gpuplane.kube.extender import Extender, ExtenderServer
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import (
     ASSIGNMENT,
     BIND_PHASE,

@@ -40,6 +40,7 @@ from gpuplane.kube.extender import (
     extender_scores,
     scheduler_config,
 )
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import (
     ASSIGNMENT,
     INVENTORY,
@@ -54,7 +55,6 @@ from gpuplane.model import Assignment, NodeSpec, PodRequest
 from gpuplane.port import EventKind, NodeInfo, PodPhase, Status
 from gpuplane.scheduler import CycleState, Framework
 from gpuplane.sim.cluster import SimCluster
-from kubeapi_fake import FakeApiServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

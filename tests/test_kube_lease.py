@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from tests.kubeapi_fake import FakeApiServer
 
 from gpuplane.kube.api import JsonObject, KubeApi, RestKubeApi
 from gpuplane.kube.lease import LeaseConfig, LeaseConfigError, LeaseElector
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import parse_time
 
 NS, NAME = "gpuplane-system", "gpuplane-operator"

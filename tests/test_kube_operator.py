@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
 from typer import Typer
 from typer.testing import CliRunner
 
@@ -23,6 +22,7 @@ from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNO
 from gpuplane.kube.api import RestKubeApi
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
 from gpuplane.kube.operator import HealthServer, Operator, run_operator
 from gpuplane.port import Timer

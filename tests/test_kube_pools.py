@@ -25,10 +25,10 @@ from gpuplane.cli.extender_cmd import build_profile
 from gpuplane.controllers.tidal import LOAN_LABEL
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.extender import Extender, ExtenderServer
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import ASSIGNMENT, POOL_LABEL, RES_GPU, RES_MEM_PCT, decode_assignment, pod_request
 from gpuplane.kube.pools import PoolRule, PoolSync, apply_pools, conflict_message, plan_pools, pool_table
 from gpuplane.model import NodeSpec, PoolConfig
-from kubeapi_fake import FakeApiServer, node_json, pod_json
 from test_kube_extender import Client, args, bind_args
 
 CRS = "/apis/gpuplane.io/v1alpha1/gpupools"

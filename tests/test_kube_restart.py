@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from tests.kubeapi_fake import FakeApiServer, node_json, pod_json
 
 from gpuplane.kube.cluster import KubeCluster
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import assignment_annotations
 from gpuplane.model import (
     Assignment,

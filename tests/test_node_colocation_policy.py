@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.kubeapi_fake import FakeApiServer, node_json
 from tests.test_node_guard import FakeClock, Procs, sigterm_self_when, wait_state
 from typer.testing import CliRunner
 
 from gpuplane.cli.main import app
 from gpuplane.kube.api import node_path
 from gpuplane.kube.crds import API_VERSION, COLOCATION_POLICY, ColocationPolicySpec
+from gpuplane.kube.localapi import FakeApiServer, node_json
 from gpuplane.kube.objects import object_key
 from gpuplane.node import gpu
 from gpuplane.node.gpu import GIB, FakeGpuBackend

@@ -1,7 +1,7 @@
 """The device plugin over real unix-socket gRPC, with a fake kubelet (tests/fake_kubelet.py) on the other end:
 registration, ListAndWatch with health changes, Allocate for whole cards, fractions (HAMi-core), MPS and MIG,
 refusals, kubelet restarts, a multi-container pod's progress kept on the pod across a plugin restart (a real
-child process, SIGKILLed), and the node inventory through a local API server (tests/kubeapi_fake.py)."""
+child process, SIGKILLed), and the node inventory through a local API server (gpuplane.kube.localapi)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import pytest
 from tests.fake_kubelet import WAIT_S, FakeKubelet
-from tests.kubeapi_fake import FakeApiServer
 
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     BIND_PHASE,

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.kubeapi_fake import FakeApiServer, pod_json
 from tests.test_node_guard import FakeClock, Procs, sigterm_self_when, wait_state
 from typer.testing import CliRunner
 
 from gpuplane.cli.main import app
+from gpuplane.kube.localapi import FakeApiServer, pod_json
 from gpuplane.kube.objects import ASSIGNMENT, QOS_LABEL, ObjectError, encode_assignment
 from gpuplane.model import Assignment, CardShare
 from gpuplane.node import gpu

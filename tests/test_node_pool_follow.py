@@ -25,11 +25,11 @@ from typing import Any
 import grpc
 import pytest
 from tests.fake_kubelet import WAIT_S, FakeKubelet
-from tests.kubeapi_fake import FakeApiServer, node_json
 from tests.test_node_mig import GRACE_S, MigNode
 
 from gpuplane.kube.api import node_path
 from gpuplane.kube.crds import API_VERSION, GPU_POOL
+from gpuplane.kube.localapi import FakeApiServer, node_json
 from gpuplane.kube.objects import INVENTORY, POOL_LABEL, NodeInventory
 from gpuplane.model import MigMode, default_catalog
 from gpuplane.node.allocation import MemoryAssignmentSource

@@ -1,4 +1,6 @@
-"""A local Kubernetes API server for tests: real HTTP, the real API's paths, JSON shapes and status codes.
+"""A local Kubernetes API server: real HTTP, the real API's paths, JSON shapes and status codes.
+
+The tests, the parity experiment and `gpuplane bench kube` run against it (no API server can run here).
 
 Only what gpuplane uses: pods (with binding, eviction and status subresources), nodes, leases, deployments,
 replica sets and stateful sets (with their scale subresource), and gpuplane.io/v1alpha1 custom resources
