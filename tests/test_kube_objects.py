@@ -118,7 +118,6 @@ def test_containers_add_up_and_init_containers_take_the_larger() -> None:
 
 
 @pytest.mark.parametrize(("limits", "annotations", "labels", "field"), [
-    ({"gpuplane.io/gpu": "2", "gpuplane.io/gpumem": "100"}, {}, {}, "resources[gpuplane.io/gpu]"),
     ({"gpuplane.io/gpu": "1", "gpuplane.io/gpucores": "150"}, {}, {}, "resources[gpuplane.io/gpucores]"),
     ({"gpuplane.io/gpu": "1.5"}, {}, {}, "resources[gpuplane.io/gpu]"),
     ({"gpuplane.io/gpumem": "1024"}, {}, {}, "resources[gpuplane.io/gpu]"),  # the kubelet would never call Allocate

@@ -103,7 +103,7 @@ def test_catalog_rejects_duplicates_and_ambiguous_aliases() -> None:
 
 
 def test_catalog_whole_card_data() -> None:
-    assert len(CAT) == len(CAT.names) == 15
+    assert len(CAT) == len(CAT.names) == 23  # protocols.md §5's 15, and 8 data-centre parts since
     t4 = CAT.get("T4")
     assert (t4.memory_mib, t4.sms, t4.encoders, t4.decoders) == (15360, 40, 1, 2)
     assert not t4.mig_capable
@@ -215,7 +215,7 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], object], str]] = [
     ("memory above the allowed card", lambda: make_request(
         CAT, "p", gpu=Fraction(memory_mib=15361), models={"T4"}), "gpu.memory_mib"),
     ("memory above every card", lambda: make_request(
-        CAT, "p", gpu=Fraction(memory_mib=143772)), "gpu.memory_mib"),
+        CAT, "p", gpu=Fraction(memory_mib=284209)), "gpu.memory_mib"),  # GB300: 284208 MiB
     ("MIG profile an allowed model lacks", lambda: make_request(
         CAT, "p", gpu=MigSlice(9), models={"A100-40GB", "T4"}), "gpu.profile"),
     ("MIG profile no model has", lambda: make_request(CAT, "p", gpu=MigSlice(99)), "gpu.profile"),
@@ -270,7 +270,7 @@ def test_make_request_canonicalises_models_and_narrows_mig() -> None:
     assert make_request(CAT, "p", gpu=WholeCards(1)).models is None
     # No models named: a MIG request is narrowed to the models that offer the profile.
     assert make_request(CAT, "p", gpu=MigSlice(9)).models == frozenset(
-        {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"})
+        {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "B200-180GB"})
     assert make_request(CAT, "p", gpu=MigSlice(21)).models == frozenset({"A30-24GB"})
     assert make_request(CAT, "p", gpu=MigSlice("3g.20gb")).models == frozenset({"A100-40GB"})
     request = make_request(CAT, "p", cpu_milli=2000, memory_mib=4096, gpu=WholeCards(2), priority=7,

@@ -859,11 +859,12 @@ def scaler(
 
 def _register_kube_commands() -> None:
     """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
-    from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd
+    from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd, scheduler_cmd
 
     device_plugin_cmd.register(app)
     extender_cmd.register(app)
     operator_cmd.register(app)
+    scheduler_cmd.register(app)
 
 
 _register_kube_commands()

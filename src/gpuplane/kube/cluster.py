@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
 from gpuplane.kube.informer import DELETED, Informer
+from gpuplane.kube.network import RdmaNetworks, rdma_annotations
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,
@@ -62,12 +63,14 @@ from gpuplane.kube.objects import (
     ObjectError,
     annotations_of,
     assignment_annotations,
+    node_affinity_json,
     node_info,
     object_key,
     pod_info,
     resource_version,
     split_key,
     taints_json,
+    tolerations_json,
 )
 from gpuplane.model import Assignment, Catalog, Fraction, MigSlice, PodRequest, Taint, WholeCards
 from gpuplane.port import (
@@ -99,15 +102,18 @@ class KubeCluster:
 
     `api`: how to reach the API server. `clock`: event times and `assigned-at` stamps. `sleep`: the eviction
     back-off (default: real time, cut short by `close()`); the informers wait on real time. `namespace`: watch
-    one namespace's pods only (None: all). `start=False` leaves the informers stopped until `start()`.
+    one namespace's pods only (None: all). `scheduler_name`: the `spec.schedulerName` of the pods `create_pod`
+    makes. `start=False` leaves the informers stopped until `start()`.
     """
 
     def __init__(self, api: KubeApi, catalog: Catalog, *, clock: Clock | None = None,
                  sleep: Callable[[float], None] | None = None, namespace: str | None = None,
                  pod_label_selector: str | None = None, dispatch: Literal["thread", "manual"] = "thread",
                  eviction_attempts: int = 4, eviction_backoff_s: float = 1.0, watch_timeout_s: int = 300,
-                 sync_timeout_s: float = 30.0, start: bool = True) -> None:
+                 sync_timeout_s: float = 30.0, scheduler_name: str = SCHEDULER_NAME, start: bool = True) -> None:
         self.api = api
+        self.scheduler_name = scheduler_name
+        """`spec.schedulerName` of the pods `create_pod` makes (the scheduler that is to place them)."""
         self.catalog = catalog
         self.clock: Clock = clock if clock is not None else WallClock()
         self._sleep = sleep
@@ -320,7 +326,7 @@ class KubeCluster:
 
     def create_pod(self, request: PodRequest) -> Status:
         try:
-            body = pod_manifest(request)
+            body = pod_manifest(request, scheduler_name=self.scheduler_name)
         except ValueError as exc:
             return Status.error(f"rejected: pod {request.name}: {exc}")
         namespace, _ = split_key(request.name)
@@ -332,6 +338,9 @@ class KubeCluster:
             return Status.error(f"rejected: pod {request.name}: {exc}")
         self._absorb(self.pods, created)
         return Status.success()
+
+    rdma_networks = RdmaNetworks()
+    """How a bind names the network of its RDMA NIC (`gpuplane.kube.network`; set another to change the namespace)."""
 
     def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
         namespace, name = split_key(pod)
@@ -348,42 +357,71 @@ class KubeCluster:
         if node_version is not None and node.resource_version != node_version:
             return Status.error(f"conflict: node {assignment.node} changed "
                                 f"(version {node.resource_version}, expected {node_version})")
-        cached = self.pods.get(key)
-        meta: dict[str, Any] = {"annotations": assignment_annotations(assignment, self.clock.now())}
+        status, recorded = self._record_and_bind(namespace, name, assignment)
+        if recorded is None:
+            return status
+        bound = copy.deepcopy(recorded)
+        bound.setdefault("spec", {})["nodeName"] = assignment.node
+        self.pods.assume(bound, resource_version(recorded))
+        self.pump()
+        return status
+
+    def send_bind(self, pod: str, assignment: Assignment) -> Status:
+        """`bind`'s API calls alone (record the assignment, post the Binding; a refused Binding takes the
+        assignment back), without the checks against the view and without touching it: the watch brings the
+        result. Safe from any thread (a scheduler's bind workers); the caller has checked the pod and node."""
+        namespace, name = split_key(pod)
+        return self._record_and_bind(namespace, name, assignment, offer=False)[0]
+
+    def _record_and_bind(self, namespace: str, name: str, assignment: Assignment, *,
+                         offer: bool = True) -> tuple[Status, JsonObject | None]:
+        """Record the assignment (guarded by the cached resourceVersion), then post the Binding. Returns the
+        status and, on success, the recorded pod (before the Binding)."""
+        pod = f"{namespace}/{name}"
+        cached = self.pods.get(pod)
+        annotations = assignment_annotations(assignment, self.clock.now())
+        if assignment.rdma is not None:  # the chosen NIC's network, in the same patch (gpuplane.kube.network)
+            node, seen = self._nodes.get(assignment.node), self._pods.get(pod)
+            current = annotations_of(cached) if cached is not None else dict(seen.annotations if seen else ())
+            try:
+                annotations.update(rdma_annotations(self.rdma_networks, current, pod,
+                                                    node.spec.topology.nics if node else (), assignment.rdma))
+            except ValueError as exc:
+                return Status.error(f"bind of {pod} failed: {exc}"), None
+        meta: dict[str, Any] = {"annotations": annotations}
         if cached is not None and cached.get("metadata", {}).get("resourceVersion"):
             meta["resourceVersion"] = cached["metadata"]["resourceVersion"]
         try:
             recorded = self.api.patch(pod_path(namespace, name), {"metadata": meta})
         except ApiError as exc:
             if exc.status == 409:
-                return Status.error(f"conflict: pod {pod} changed before its assignment was recorded")
+                return Status.error(f"conflict: pod {pod} changed before its assignment was recorded"), None
             if exc.status == 404:
-                return Status.error(f"pod {pod} not found")
-            return Status.error(f"bind of {pod} failed recording the assignment: {exc}")
+                return Status.error(f"pod {pod} not found"), None
+            return Status.error(f"bind of {pod} failed recording the assignment: {exc}"), None
         binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": namespace},
                    "target": {"apiVersion": "v1", "kind": "Node", "name": assignment.node}}
         try:
             self.api.create(pod_path(namespace, name, "binding"), binding)
         except ApiError as exc:
             if exc.status != 0:  # refused: take the assignment back (0: unknown, the watch will tell)
-                self._unrecord(namespace, name)
+                self._unrecord(namespace, name, offer=offer)
             prefix = "conflict: " if exc.status == 409 else ""
-            return Status.error(f"{prefix}binding {pod} to {assignment.node} refused: {exc}")
-        bound = copy.deepcopy(recorded)
-        bound.setdefault("spec", {})["nodeName"] = assignment.node
-        self.pods.assume(bound, resource_version(recorded))
-        self.pump()
-        return Status.success()
+            return Status.error(f"{prefix}binding {pod} to {assignment.node} refused: {exc}"), None
+        return Status.success(), recorded
 
-    def _unrecord(self, namespace: str, name: str) -> None:
-        """Take a refused bind's assignment back off the pod, unless the pod got bound meanwhile."""
+    def _unrecord(self, namespace: str, name: str, *, offer: bool = True) -> None:
+        """Take a refused bind's assignment back off the pod, unless the pod got bound meanwhile (`offer`: put
+        the answer in the view now; else the watch brings it)."""
         try:
             current = self.api.get(pod_path(namespace, name))
             if current.get("spec", {}).get("nodeName"):
                 return
             patch = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"],
                                   "annotations": {ASSIGNMENT: None, ASSIGNED_AT: None, BIND_PHASE: PHASE_FAILED}}}
-            self._absorb(self.pods, self.api.patch(pod_path(namespace, name), patch))
+            answer = self.api.patch(pod_path(namespace, name), patch)
+            if offer:
+                self._absorb(self.pods, answer)
         except ApiError as exc:
             log.warning("could not take the assignment back off %s/%s: %s", namespace, name, exc)
 
@@ -521,8 +559,9 @@ class KubeCluster:
         return Status.success()
 
 
-def pod_manifest(request: PodRequest) -> JsonObject:
-    """A minimal pod (one pause container) that `objects.pod_request` reads back as `request`.
+def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -> JsonObject:
+    """A minimal pod (one pause container) that `objects.pod_request` reads back as `request`, for the scheduler
+    `scheduler_name`.
 
     Raises ValueError for what a pod cannot say: a fraction of compute that is not whole percent, or more than
     one pool. A vGPU package is written as its compute and memory (the package name is not kept).
@@ -536,7 +575,7 @@ def pod_manifest(request: PodRequest) -> JsonObject:
         limits["memory"] = f"{request.memory_mib}Mi"
     gpu = request.gpu
     if isinstance(gpu, WholeCards):
-        limits[RES_GPU] = str(gpu.count)
+        limits[RES_GPU] = "1"
     elif isinstance(gpu, Fraction):
         if gpu.compute_milli % 10:
             raise ValueError(f"{RES_CORES} is in whole percent; {gpu.compute_milli} milli-cards is not")
@@ -567,7 +606,7 @@ def pod_manifest(request: PodRequest) -> JsonObject:
     if request.checkpoint_every_s:
         annotations[CHECKPOINT_EVERY] = repr(request.checkpoint_every_s)
     spec: dict[str, Any] = {
-        "schedulerName": SCHEDULER_NAME,
+        "schedulerName": scheduler_name,
         "containers": [{"name": "main", "image": PAUSE_IMAGE, "resources": {"limits": limits, "requests": limits}}],
     }
     if request.priority_class is not None:
@@ -576,14 +615,20 @@ def pod_manifest(request: PodRequest) -> JsonObject:
         spec["priority"] = request.priority  # admission refuses it unless it equals the class's value
     if request.preempt is not None:
         spec["preemptionPolicy"] = "PreemptLowerPriority" if request.preempt else "Never"
+    if request.unsupported:
+        raise ValueError(f"a pod using {', '.join(request.unsupported)} cannot be written from its request")
+    selector = dict(request.node_selector)
     if request.pools is not None:
         if len(request.pools) != 1:
             raise ValueError(f"a pod's node selector names one pool, not {sorted(request.pools)}")
-        spec["nodeSelector"] = {POOL_LABEL: next(iter(request.pools))}
+        selector[POOL_LABEL] = next(iter(request.pools))
+    if selector:
+        spec["nodeSelector"] = selector
+    node_affinity = node_affinity_json(request.required_terms, request.preferred_terms)
+    if node_affinity:
+        spec["affinity"] = {"nodeAffinity": node_affinity}
     if request.tolerations:
-        spec["tolerations"] = [{"key": t.key, "operator": "Exists"} if t.value is None
-                               else {"key": t.key, "operator": "Equal", "value": t.value}
-                               for t in request.tolerations]
+        spec["tolerations"] = tolerations_json(request.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
             "spec": spec}

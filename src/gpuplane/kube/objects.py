@@ -7,7 +7,8 @@ How a pod asks for GPUs (container `resources.limits`, summed over containers; H
 
 - `gpuplane.io/gpu`: cards wanted. Alone, whole cards.
 - `gpuplane.io/gpucores` (percent of one card's compute, 100 = exclusive) and/or `gpuplane.io/gpumem`
-  (MiB) or `gpuplane.io/gpumem-percentage`: with `gpuplane.io/gpu: 1`, a fraction of one card.
+  (MiB) or `gpuplane.io/gpumem-percentage`: with `gpuplane.io/gpu: N`, that share on each of N distinct cards
+  (HAMi's reading; N = 1 is a fraction of one card).
 - `gpuplane.io/gpu-encoders`, `gpuplane.io/gpu-decoders`: video codec units on the card.
 - annotation `gpuplane.io/mig-profile` (`3g.40gb` or a profile ID): one MIG instance.
 - `gpuplane.io/rdma-vf`: RDMA virtual functions.
@@ -362,11 +363,9 @@ def _gpu_form(resources: Mapping[str, Decimal], annotations: Mapping[str, str], 
             raise ObjectError(obj, f"resources[{RES_CORES}]", f"at most 100 (percent of one card), got {cores}")
         fractional = (0 < cores < 100) or mem or mem_pct or encoders or decoders
         if fractional:
-            if cards > 1:
-                raise ObjectError(obj, f"resources[{RES_GPU}]",
-                                  f"a share of a card ({RES_CORES}, {RES_MEM}, codecs) is for one card, got {cards}")
+            # As in HAMi, the share figures are per card: gpu: 2 with gpumem: 3000 is 3000 MiB on each of two cards.
             return Fraction(compute_milli=cores * 10, memory_mib=mem, memory_pct=mem_pct,
-                            encoders=encoders, decoders=decoders)
+                            encoders=encoders, decoders=decoders, count=cards)
         return WholeCards(max(cards, 1))
     except RequestError as exc:
         raise ObjectError(obj, f"resources ({exc.field})", exc.reason) from None

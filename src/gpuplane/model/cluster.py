@@ -94,10 +94,10 @@ def _form_mismatch(request: PodRequest, assignment: Assignment, model: CardModel
         if len(cards) != gpu.count or not all(s.whole and s.compute_milli == MILLI_PER_CARD for s in cards):
             return f"assignment does not hold {gpu.count} whole card(s)"
         return None
-    if len(cards) != 1:
-        return "a fraction or MIG slice takes exactly one card"
-    share = cards[0]
     if isinstance(gpu, MigSlice):
+        if len(cards) != 1:
+            return "a fraction or MIG slice takes exactly one card"
+        share = cards[0]
         profile = model.mig_profile(gpu.profile) if model is not None else None
         if model is None or profile is None:
             return f"GPU model {model.name if model else 'none'} has no MIG profile {gpu.profile!r}"
@@ -105,12 +105,16 @@ def _form_mismatch(request: PodRequest, assignment: Assignment, model: CardModel
                 or share.memory_mib != profile.memory_mib:
             return f"assignment does not hold MIG profile {gpu.profile!r}"
         return None
-    if share.whole or share.mig_profile is not None or share.compute_milli != gpu.compute_milli \
-            or (share.encoders, share.decoders) != (gpu.encoders, gpu.decoders):
-        return "assignment does not match the requested fraction"
+    if len(cards) != gpu.count:
+        return "a fraction or MIG slice takes exactly one card" if gpu.count == 1 else \
+            f"a share on {gpu.count} cards was given {len(cards)}"
     memory = gpu.memory_on(model.memory_mib) if model is not None else gpu.memory_mib
-    if (gpu.memory_mib or gpu.memory_pct) and share.memory_mib != memory:
-        return "assignment does not match the requested GPU memory"
+    for share in cards:
+        if share.whole or share.mig_profile is not None or share.compute_milli != gpu.compute_milli \
+                or (share.encoders, share.decoders) != (gpu.encoders, gpu.decoders):
+            return "assignment does not match the requested fraction"
+        if (gpu.memory_mib or gpu.memory_pct) and share.memory_mib != memory:
+            return "assignment does not match the requested GPU memory"
     return None
 
 

@@ -40,8 +40,10 @@ class WholeCards:
 
 @dataclass(frozen=True, slots=True)
 class Fraction:
-    """A share of one card (vGPU): compute in milli-cards and/or memory in MiB or percent, plus codec units.
+    """A share of `count` cards (vGPU): compute in milli-cards and/or memory in MiB or percent, plus codec units.
 
+    Every figure is per card, as HAMi reads `gpumem`/`gpucores` beside `gpu: N`: a pod with `count` 2 and
+    `memory_mib` 3000 holds 3000 MiB on each of two distinct cards of one node.
     `memory_pct` (1..100) is resolved against the chosen card's memory; it excludes `memory_mib`.
     """
 
@@ -51,8 +53,12 @@ class Fraction:
     encoders: int = 0
     decoders: int = 0
     package: str | None = None
+    count: int = 1
+    """Distinct cards, each holding the share above."""
 
     def __post_init__(self) -> None:
+        if self.count < 1:
+            raise RequestError("gpu.count", f"a fraction is of at least 1 card, got {self.count}")
         for name in ("compute_milli", "memory_mib", "memory_pct", "encoders", "decoders"):
             if getattr(self, name) < 0:
                 raise RequestError(f"gpu.{name}", f"must not be negative, got {getattr(self, name)}")
@@ -149,13 +155,21 @@ class PodRequest:
         return self.preempt is not False
 
     @property
+    def gpu_cards(self) -> int:
+        """How many distinct cards the GPU form takes (0 without one; a MIG slice takes one)."""
+        gpu = self.gpu
+        if gpu is None:
+            return 0
+        return gpu.count if isinstance(gpu, WholeCards | Fraction) else 1
+
+    @property
     def gpu_milli_total(self) -> int:
         """GPU demand in milli-cards, as the trace counts it (MIG counts its compute share at placement)."""
         gpu = self.gpu
         if isinstance(gpu, WholeCards):
             return gpu.count * MILLI_PER_CARD
         if isinstance(gpu, Fraction):
-            return gpu.compute_milli
+            return gpu.count * gpu.compute_milli
         return 0
 
     def tolerates(self, key: str, value: str) -> bool:

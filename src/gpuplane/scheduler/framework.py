@@ -22,7 +22,6 @@ from gpuplane.model import (
     ClusterState,
     PodRequest,
     RdmaShare,
-    WholeCards,
 )
 from gpuplane.model.cluster import row_any, row_count
 from gpuplane.port import Status, aggregate_reasons
@@ -227,7 +226,7 @@ class Framework:
             if not within_resolvable:
                 unresolvable.add(0)
         gpu = pod.gpu
-        need = gpu.count if isinstance(gpu, WholeCards) else 1
+        need = pod.gpu_cards or 1
         for plugin in self.profile.filters:
             for check in plugin.checks(cycle, pod, state):
                 if isinstance(check, CardCheck):

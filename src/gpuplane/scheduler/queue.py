@@ -63,6 +63,8 @@ class SchedulingQueue:
         self._group_whole = np.zeros(0, np.int64)
         self._group_milli = np.zeros(0, np.int64)
         self._group_gpu_mem = np.zeros(0, np.int64)
+        self._group_span = np.zeros(0, np.int64)
+        """Distinct cards each pod of a fractional group takes a share of (HAMi's `gpu: N` with `gpumem`)."""
         self._group_unbounded_gpu = np.zeros(0, np.bool_)
         self._entry_group: dict[str, int] = {}
 
@@ -203,6 +205,7 @@ class SchedulingQueue:
             per_card = np.where((gpu_mem > 0)[:, None], np.minimum(per_card, by_mem), per_card)
             slots = np.minimum(per_card, len(groups) + 1024).sum(axis=1) if len(free_milli) else \
                 np.zeros(len(groups), np.int64)
+            slots //= np.maximum(self._group_span[groups], 1)  # each pod needs that many of the card slots
             np.minimum(room, np.where(fraction, slots, _UNBOUNDED), out=room)
         room[self._group_unbounded_gpu[groups]] = np.maximum(room[self._group_unbounded_gpu[groups]], 1)
         return room
@@ -222,9 +225,10 @@ class SchedulingQueue:
             gpu.count if isinstance(gpu, WholeCards) else 0,
             gpu.compute_milli if isinstance(gpu, Fraction) else 0,
             gpu.memory_mib if isinstance(gpu, Fraction) else 0,
+            gpu.count if isinstance(gpu, Fraction) else 0,
         )
         self._group_live = np.append(self._group_live, 0)
-        for name, value in zip(("cpu", "mem", "whole", "milli", "gpu_mem"), values, strict=True):
+        for name, value in zip(("cpu", "mem", "whole", "milli", "gpu_mem", "span"), values, strict=True):
             setattr(self, f"_group_{name}", np.append(getattr(self, f"_group_{name}"), value))
         # MIG slices and codec- or percent-only fractions: let at least one through to the real filters.
         unbounded = isinstance(gpu, MigSlice) or (isinstance(gpu, Fraction) and not gpu.compute_milli
@@ -232,10 +236,10 @@ class SchedulingQueue:
         self._group_unbounded_gpu = np.append(self._group_unbounded_gpu, unbounded)
         return group
 
-    def shape(self, group: int) -> tuple[int, int, int, int, int, bool]:
-        """(cpu, memory, whole cards, milli, GPU memory, unbounded) of a group's pods."""
+    def shape(self, group: int) -> tuple[int, int, int, int, int, int, bool]:
+        """(cpu, memory, whole cards, milli, GPU memory, cards sharing, unbounded) of a group's pods."""
         return (int(self._group_cpu[group]), int(self._group_mem[group]), int(self._group_whole[group]),
-                int(self._group_milli[group]), int(self._group_gpu_mem[group]),
+                int(self._group_milli[group]), int(self._group_gpu_mem[group]), int(self._group_span[group]),
                 bool(self._group_unbounded_gpu[group]))
 
     def _requeue(self, entry: QueuedPod) -> None:
@@ -259,15 +263,15 @@ class _Budget:
         self.unbounded_taken: set[int] = set()
 
     def take(self, queue: SchedulingQueue, group: int) -> bool:
-        cpu, mem, whole, milli, gpu_mem, unbounded = queue.shape(group)
+        cpu, mem, whole, milli, gpu_mem, span, unbounded = queue.shape(group)
         if cpu > self.cpu or mem > self.mem or whole > self.idle:
             return False
-        card: list[int] | None = None
+        cards: list[list[int]] = []
         if milli or gpu_mem:
             fitting = [c for c in self.cards if c[0] >= milli and c[1] >= gpu_mem]
-            if not fitting:
+            if len(fitting) < max(span, 1):
                 return False
-            card = min(fitting, key=lambda c: (c[0] - milli, c[1] - gpu_mem))
+            cards = sorted(fitting, key=lambda c: (c[0] - milli, c[1] - gpu_mem))[: max(span, 1)]
         elif unbounded:
             # MIG slices and codec-only fractions: one per shape goes through to the real filters.
             if group in self.unbounded_taken:
@@ -276,7 +280,7 @@ class _Budget:
         self.cpu -= cpu
         self.mem -= mem
         self.idle -= whole
-        if card is not None:
+        for card in cards:
             card[0] -= milli
             card[1] -= gpu_mem
         return True

@@ -60,10 +60,13 @@ class RandomCardPicker:
         cards = np.flatnonzero(eligible)
         if isinstance(gpu, Fraction) and len(cards):
             fitting = [int(c) for c in cards if state.card_milli_free[node, c] >= gpu.compute_milli]
-            if not fitting:
+            if len(fitting) < gpu.count:
                 return None
             only = np.zeros_like(eligible)
-            only[fitting[int(self.rng.integers(len(fitting)))]] = True
+            if gpu.count == 1:
+                only[fitting[int(self.rng.integers(len(fitting)))]] = True
+            else:
+                only[self.rng.choice(fitting, gpu.count, replace=False)] = True
             return self._fallback.pick(cycle, pod, state, node, only)
         if isinstance(gpu, WholeCards) and len(cards) >= gpu.count:
             only = np.zeros_like(eligible)

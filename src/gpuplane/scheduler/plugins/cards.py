@@ -6,7 +6,8 @@
 - `card-only-one`: a card hosts at most one instance of the same workload (scope `workload`) or one
   instance at all (scope `all`); among allowed cards it packs like `binpack`.
 
-Multi-card requests prefer one NVLink group, then one NUMA node. MIG requests take the legal slot that
+Multi-card whole requests prefer one NVLink group, then one NUMA node; a share on several cards (HAMi's
+`gpu: N` with `gpumem`) takes N distinct cards, each by the policy's order. MIG requests take the legal slot that
 leaves the most future (profile, slot) placements possible. RDMA functions come from a NIC on the same
 PCIe switch as the pod's cards, else the same NUMA node, else any NIC.
 """
@@ -61,10 +62,10 @@ class OrderedCardPicker:
                                      int(state.card_enc_cap[node, c]), int(state.card_dec_cap[node, c]), whole=True)
                            for c in chosen)
         elif isinstance(gpu, Fraction):
-            share = self.fraction(state, node, cards, gpu)
-            if share is None:
+            fractions = self.fractions(state, node, cards, gpu)
+            if fractions is None:
                 return None
-            shares = (share,)
+            shares = fractions
         else:
             mig = self.mig(state, node, cards, gpu)
             if mig is None:
@@ -78,22 +79,22 @@ class OrderedCardPicker:
         return CardPick(shares, rdma)
 
     # ------------------------------------------------------------------ fractions
-    def fraction(self, state: ClusterState, node: int, cards: Sequence[int], gpu: Fraction) -> CardShare | None:
-        best: tuple[int, int, int] | None = None
-        chosen = -1
+    def fractions(self, state: ClusterState, node: int, cards: Sequence[int],
+                  gpu: Fraction) -> tuple[CardShare, ...] | None:
+        """`gpu.count` distinct cards, each taking the share: the first by the order (packing: least left after
+        the share, compute then memory, then index; spreading: most left), or None when fewer cards fit."""
         sign = 1 if self.order is CardOrder.PACK else -1
+        ranked: list[tuple[int, int, int, int]] = []
         for c in cards:
             memory = gpu.memory_on(int(state.card_mem_phys[node, c]))
             if state.card_mem_free[node, c] < memory or state.card_milli_free[node, c] < gpu.compute_milli:
                 continue
-            key = (sign * int(state.card_milli_free[node, c] - gpu.compute_milli),
-                   sign * int(state.card_mem_free[node, c] - memory), c)
-            if best is None or key < best:
-                best, chosen = key, c
-        if chosen < 0:
+            ranked.append((sign * int(state.card_milli_free[node, c] - gpu.compute_milli),
+                           sign * int(state.card_mem_free[node, c] - memory), c, memory))
+        if len(ranked) < gpu.count:
             return None
-        memory = gpu.memory_on(int(state.card_mem_phys[node, chosen]))
-        return CardShare(chosen, gpu.compute_milli, memory, gpu.encoders, gpu.decoders)
+        chosen = sorted(sorted(ranked)[: gpu.count], key=lambda r: r[2])
+        return tuple(CardShare(c, gpu.compute_milli, memory, gpu.encoders, gpu.decoders) for _, _, c, memory in chosen)
 
     # ------------------------------------------------------------------ whole cards
     def whole_cards(self, state: ClusterState, node: int, cards: Sequence[int], count: int,

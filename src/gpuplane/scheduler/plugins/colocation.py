@@ -103,9 +103,9 @@ class ColocationCardPicker(OrderedCardPicker):
             return super().pick(cycle, pod, state, node, eligible)
         costs = card_costs(pod, state, np.array([node]), self.weights)[0, : len(eligible)]
         costs = np.where(eligible, costs, np.inf)
-        if not np.isfinite(costs).any():
+        if int(np.isfinite(costs).sum()) < gpu.count:
             return None
         order = np.lexsort((np.arange(len(costs)), state.card_milli_free[node, : len(costs)], costs))
-        card = int(order[0])
-        memory = gpu.memory_on(int(state.card_mem_phys[node, card]))
-        return CardPick((CardShare(card, gpu.compute_milli, memory, gpu.encoders, gpu.decoders),))
+        chosen = sorted(int(c) for c in order[: gpu.count])  # a share on several cards: the cheapest ones
+        return CardPick(tuple(CardShare(c, gpu.compute_milli, gpu.memory_on(int(state.card_mem_phys[node, c])),
+                                        gpu.encoders, gpu.decoders) for c in chosen))

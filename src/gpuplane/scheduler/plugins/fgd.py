@@ -101,6 +101,15 @@ class FgdScore:
             after = fragmentation(after_free, np.repeat(cpu_after[:, None], width, axis=1),
                                   np.repeat(model[:, None], width, axis=1), shapes)
             per_card = np.where(fits, sigmoid_score(before[:, None] - after), -1)
+            if gpu.count > 1:
+                # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
+                # take it; the score is the node's fragmentation change, and the picker chooses the cards.
+                best = np.argsort(-per_card, axis=1, kind="stable")[:, : gpu.count]
+                taken = np.zeros(free.shape, np.bool_)
+                np.put_along_axis(taken, best, True, axis=1)
+                taken &= fits
+                after_node = fragmentation(free - d * taken, cpu_after, model, shapes)
+                return sigmoid_score(before - after_node), none
             card = np.argmax(per_card, axis=1)  # the first card with the best integer score
             return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
         if isinstance(gpu, WholeCards):
@@ -165,7 +174,7 @@ class FgdCardPicker:
         gpu = pod.gpu
         chosen_cards = cycle.find(FGD_CARD)
         chosen = int(chosen_cards[node]) if chosen_cards is not None and node < len(chosen_cards) else -1
-        if isinstance(gpu, Fraction) and chosen >= 0 and eligible[chosen]:
+        if isinstance(gpu, Fraction) and gpu.count == 1 and chosen >= 0 and eligible[chosen]:
             memory = gpu.memory_on(int(state.card_mem_phys[node, chosen]))
             share = CardShare(chosen, gpu.compute_milli, memory, gpu.encoders, gpu.decoders)
             return CardPick((share,))

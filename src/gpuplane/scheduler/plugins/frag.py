@@ -34,7 +34,7 @@ def pod_shape(request: PodRequest) -> Shape:
     if isinstance(gpu, WholeCards):
         return request.cpu_milli, MILLI_PER_CARD, gpu.count, request.models
     if isinstance(gpu, Fraction):
-        return request.cpu_milli, gpu.compute_milli, 1, request.models
+        return request.cpu_milli, gpu.compute_milli, gpu.count, request.models
     return request.cpu_milli, 0, 0, request.models
 
 
