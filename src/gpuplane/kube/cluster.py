@@ -579,7 +579,7 @@ def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -
     elif isinstance(gpu, Fraction):
         if gpu.compute_milli % 10:
             raise ValueError(f"{RES_CORES} is in whole percent; {gpu.compute_milli} milli-cards is not")
-        limits[RES_GPU] = "1"
+        limits[RES_GPU] = str(gpu.count)
         for resource, value in ((RES_CORES, gpu.compute_milli // 10), (RES_MEM, gpu.memory_mib),
                                 (RES_MEM_PCT, gpu.memory_pct), (RES_ENCODERS, gpu.encoders),
                                 (RES_DECODERS, gpu.decoders)):

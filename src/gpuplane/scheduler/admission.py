@@ -52,9 +52,11 @@ class Admission:
             if quota is None:
                 known = ", ".join(sorted(q.name for q in self.quotas)) or "none configured"
                 return f"queue: unknown queue {request.queue!r} (known: {known})"
-            if quota.max_milli is not None and request.gpu_milli_total > quota.max_milli:
+            cap = quota.cap_milli
+            if cap is not None and request.gpu_milli_total > cap:
+                bound = "maximum" if quota.borrow else "minimum (it does not borrow)"
                 return (f"queue: pod needs {request.gpu_milli_total / MILLI_PER_CARD:g} GPUs, more than queue "
-                        f"{quota.name}'s maximum of {quota.max_gpus:g}")
+                        f"{quota.name}'s {bound} of {cap / MILLI_PER_CARD:g}")
         if request.gang is not None and self.cluster_gpu_milli is not None:
             members = self._gang_members.setdefault(request.gang, {})
             total = sum(members.values()) + request.gpu_milli_total
