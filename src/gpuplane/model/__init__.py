@@ -28,7 +28,7 @@ from gpuplane.model.priority import (
     default_priority_classes,
     load_priority_classes,
 )
-from gpuplane.model.quota import QueueQuota, QuotaError, Quotas, load_quotas
+from gpuplane.model.quota import ModelQuota, QueueQuota, QuotaError, Quotas, canonical_models, load_quotas
 from gpuplane.model.request import (
     Fraction,
     GpuForm,
@@ -56,6 +56,7 @@ __all__ = [
     "MigMode",
     "MigProfile",
     "MigSlice",
+    "ModelQuota",
     "NodeSpec",
     "NodeSpecError",
     "PlacementError",
@@ -77,6 +78,7 @@ __all__ = [
     "Topology",
     "VgpuPackage",
     "WholeCards",
+    "canonical_models",
     "default_catalog",
     "default_priority_classes",
     "load_priority_classes",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from gpuplane.model import (
     PoolConfig,
 )
 from gpuplane.model.priority import PriorityClasses, default_priority_classes
-from gpuplane.model.quota import Quotas
+from gpuplane.model.quota import QueueQuota, Quotas
 from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 from gpuplane.port.status import Code
 from gpuplane.scheduler.framework import NEAR_CARDS, OUTSIDE, CycleState, Decision, Framework, Profile
@@ -441,7 +441,11 @@ class Scheduler:
         if refusal is not None:
             self._quota_waiting.setdefault(pod.queue or "", {})[pod.name] = entry
             return Decision(Status(Code.WAIT, (refusal,)))
-        decision, cleared = self._decide(pod)
+        models, kept = self._quota_scope(pod, pod.gpu_milli_total)
+        if kept is not None:
+            return Decision(Status.unschedulable(kept))
+        scoped = _within_models(pod, models)
+        decision, cleared = self._decide(scoped)
         if decision.assignment is not None:
             if not cleared:
                 return self._reserve_and_bind(pod, decision)
@@ -454,7 +458,7 @@ class Scheduler:
             done = self._preempt_past_backfill(entry, decision)
             if done is not None:
                 return done
-        result = self.preemption.plan(pod, self.state, self._victim_rules(pod, []), decision.diagnosis,
+        result = self.preemption.plan(scoped, self.state, self._victim_rules(pod, []), decision.diagnosis,
                                       within=self._held(pod))
         if result.plan is None:
             message = f"{decision.status.message} Preemption: {result.reason}."
@@ -865,17 +869,81 @@ class Scheduler:
         return {name: int(sums[qid]) for name, qid in table.queue_ids.items() if name is not None}
 
 
+    def quota_model_usage(self) -> dict[tuple[str, str], int]:
+        """GPU milli held per (queue, card model) in the cache (bound, assumed and nominated pods)."""
+        state = self.state
+        table = state.pod_table
+        rows = table.pods
+        count = rows.count
+        live = rows.live[:count]
+        width = len(state.models) + 1  # column 0: nodes without a card model
+        key = rows.queue[:count][live] * width + state.model_idx[rows.node[:count][live]] + 1
+        sums = np.bincount(key, rows.gpu_milli[:count][live], minlength=len(table.queue_ids) * width)
+        return {(name, model.name): int(sums[qid * width + m + 1])
+                for name, qid in table.queue_ids.items() if name is not None
+                for m, model in enumerate(state.models) if sums[qid * width + m + 1]}
+
     def _quota_refusal(self, pod: PodRequest, need_milli: int) -> str | None:
+        """Why `pod`'s queue may not take `need_milli` more now (its maximum, or its minimum when it does not
+        borrow); None when it may. The pod waits until a pod of its queue leaves."""
         if pod.queue is None or not self.rules.quotas:
             return None
         quota = self.rules.quotas.get(pod.queue)
-        if quota is None or quota.max_milli is None:
+        cap = quota.cap_milli if quota is not None else None
+        if quota is None or cap is None:
             return None
         used = self.quota_usage().get(pod.queue, 0)
-        if used + need_milli <= quota.max_milli:
+        if used + need_milli <= cap:
             return None
-        return (f"queue {pod.queue} at its maximum: {used / MILLI_PER_CARD:g} of {quota.max_gpus:g} GPUs in use, "
-                f"{need_milli / MILLI_PER_CARD:g} more asked")
+        return (f"queue {pod.queue} at its {_cap_name(quota)}: {used / MILLI_PER_CARD:g} of "
+                f"{cap / MILLI_PER_CARD:g} GPUs in use, {need_milli / MILLI_PER_CARD:g} more asked")
+
+    def _quota_scope(self, pod: PodRequest, need_milli: int) -> tuple[frozenset[str] | None, str | None]:
+        """The card models `pod` may use under the per-model quotas and the idle shares kept by queues that do
+        not lend: (models, None), models None when nothing is excluded; or (None, reason) when nothing is left,
+        and the pod is parked (capacity freed on a node, or a pod of its queue leaving, wakes it)."""
+        quotas = self.rules.quotas
+        if not quotas.per_model or need_milli <= 0:
+            return None, None
+        own = quotas.get(pod.queue) if pod.queue is not None else None
+        keepers = [q for q in quotas if not q.lend and q.name != pod.queue]
+        usage = self.quota_usage()
+        state = self.state
+        n = state.size
+        free = (state.gpu_milli_cap[:n] - state.gpu_milli_used[:n]) * state.schedulable[:n]
+        kept_total = sum(max(0, q.min_milli - usage.get(q.name, 0)) for q in keepers)
+        if kept_total and int(free.sum()) - need_milli < kept_total:
+            return None, (f"the idle guaranteed share of queue(s) {', '.join(sorted(q.name for q in keepers))} "
+                          f"({kept_total / MILLI_PER_CARD:g} GPUs) is kept for them (they do not lend)")
+        if (own is None or not own.models) and not any(q.models for q in keepers):
+            return None, None
+        by_model = self.quota_model_usage()
+        model_free = np.bincount(state.model_idx[:n] + 1, free, minlength=len(state.models) + 1)
+        allowed: dict[str, int] = {}
+        reasons: list[str] = []
+        for m, model in enumerate(state.models):
+            if pod.models is not None and model.name not in pod.models:
+                continue
+            share = own.model(model.name) if own is not None else None
+            cap = own.model_cap_milli(share) if own is not None and share is not None else None
+            used = by_model.get((pod.queue or "", model.name), 0)
+            if own is not None and cap is not None and used + need_milli > cap:
+                reasons.append(f"{model.name}: queue {pod.queue} at its {_cap_name(own)} there "
+                               f"({used / MILLI_PER_CARD:g} of {cap / MILLI_PER_CARD:g} GPUs)")
+                continue
+            kept = sum(max(0, s.min_milli - by_model.get((q.name, model.name), 0))
+                       for q in keepers for s in q.models if s.model == model.name)
+            if kept and int(model_free[m + 1]) - need_milli < kept:
+                reasons.append(f"{model.name}: {kept / MILLI_PER_CARD:g} idle GPUs kept for queues that do not lend")
+                continue
+            allowed[model.name] = m
+        if not reasons:
+            return None, None
+        present = np.bincount(state.model_idx[:n] + 1, state.gpu_milli_cap[:n] * state.schedulable[:n],
+                              minlength=len(state.models) + 1)
+        if not any(present[m + 1] for m in allowed.values()):
+            return None, "no card model left within the queue quotas: " + "; ".join(reasons)
+        return frozenset(allowed), None
 
     def _wake_queue(self, queue: str) -> None:
         """A pod of `queue` left: its pods held at the maximum may go, and parked ones may now be owed their
@@ -921,9 +989,11 @@ class Scheduler:
             return self._fail_gang(gang, members, f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than "
                                                   f"the whole cluster's {capacity / MILLI_PER_CARD:g}")
         queue = self.rules.quotas.get(members[0].request.queue) if members[0].request.queue is not None else None
-        if queue is not None and queue.max_milli is not None and need > queue.max_milli:
+        cap = queue.cap_milli if queue is not None else None
+        if queue is not None and cap is not None and need > cap:
             return self._fail_gang(gang, members, f"gang {gang} needs {need / MILLI_PER_CARD:g} GPUs, more than "
-                                                  f"queue {queue.name}'s maximum of {queue.max_gpus:g}")
+                                                  f"queue {queue.name}'s {_cap_name(queue)} of "
+                                                  f"{cap / MILLI_PER_CARD:g}")
         refusal = self._quota_refusal(members[0].request, need)
         if refusal is not None:
             del self._gangs[gang]
@@ -932,7 +1002,11 @@ class Scheduler:
             return [Outcome(e.request, Decision(Status(Code.WAIT, (refusal,))), e.attempts, now - e.enqueued_at)
                     for e in members]
         del self._gangs[gang]
-        decision = self._place_gang(members)
+        models, kept = self._quota_scope(members[0].request, need)
+        if kept is not None:
+            decision = Decision(Status.unschedulable(f"gang {gang}: {kept}"))
+        else:
+            decision = self._place_gang(members, models)
         if decision.status.ok or decision.status.code is Code.WAIT:
             self.stats.gangs_placed += 1
             outcomes = []
@@ -995,8 +1069,9 @@ class Scheduler:
                     return decision, cleared
         return self._decide(pod, within, near)
 
-    def _place_gang(self, members: list[QueuedPod]) -> Decision:
-        """Trial-place every member in the cache (preempting if allowed); commit all or undo all."""
+    def _place_gang(self, members: list[QueuedPod], models: frozenset[str] | None = None) -> Decision:
+        """Trial-place every member in the cache (preempting if allowed); commit all or undo all. `models`:
+        the card models the gang's queue quota leaves it (None: any)."""
         last = Decision(Status.unschedulable("no members"))
         for within in self._blocks():
             placed: list[tuple[QueuedPod, Decision]] = []
@@ -1004,7 +1079,7 @@ class Scheduler:
             victims: list[Binding] = []
             failed = False
             for member in members:
-                pod = member.request
+                pod = _within_models(member.request, models)
                 decision, cleared = self._decide_member(pod, within, placed)
                 if cleared:
                     victims.extend(cleared)
@@ -1027,7 +1102,7 @@ class Scheduler:
                                                          f"{decision.status.message}"), None, -1, decision.diagnosis)
                     failed = True
                     break
-                self._place(pod, decision.assignment)
+                self._place(member.request, decision.assignment)
                 placed.append((member, decision))
             if not failed:
                 return self._commit(placed, plans, victims)
@@ -1037,3 +1112,19 @@ class Scheduler:
                 self._place(binding.request, binding.assignment)
         return last
 
+
+_NO_MODEL_LEFT = "(no model within the queue quota)"
+
+
+def _cap_name(quota: QueueQuota) -> str:
+    return "maximum" if quota.borrow else "minimum (it does not borrow)"
+
+
+def _within_models(request: PodRequest, models: frozenset[str] | None) -> PodRequest:
+    """`request` allowed only `models` (None: unchanged), as the framework sees it; never what is bound. A gang
+    member whose own models are all outside them gets a model no card has, so it is refused a model mismatch."""
+    if models is None:
+        return request
+    if request.models is not None:
+        models = models & request.models or frozenset({_NO_MODEL_LEFT})
+    return replace(request, models=models)
