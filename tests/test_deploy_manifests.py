@@ -49,8 +49,13 @@ NOT_API_OBJECTS = {"kustomization.yaml", "kube-scheduler-config.yaml"}
 Doc = dict[str, Any]
 
 
+RDMA = DEPLOY / "rdma"
+"""Sample RDMA networks: their own kustomization, custom resources of other projects (tests/test_kube_rdma.py)."""
+
+
 def _yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
+                  and RDMA not in p.parents)
 
 
 def _load(path: Path) -> list[Doc]:

@@ -91,6 +91,20 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
+POD_UPDATE_RULE = ("pod updates may not change fields other than `spec.containers[*].image`,"
+                   "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions "
+                   "to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it "
+                   "was previously negative)")
+"""The API server's refusal of a pod update that changes other fields (the part this server checks: resources)."""
+
+
+def _resources(pod: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    assert isinstance(spec, Mapping)
+    return [(c.get("name"), c.get("resources")) for key in ("containers", "initContainers")
+            for c in spec.get(key) or [] if isinstance(c, Mapping)]
+
+
 def _dig(obj: Mapping[str, Any], dotted: str) -> str:
     value: Any = obj
     for part in dotted.split("."):
@@ -578,6 +592,10 @@ current-context: fake
                 new["status"] = copy.deepcopy(current["status"])
             else:
                 new.pop("status", None)
+        if route.resource == ("", "pods") and route.sub == "" and _resources(new) != _resources(current):
+            # ValidatePodUpdate: a pod's containers keep their resources (only the resize subresource changes
+            # them, and only cpu and memory), so no scheduler can add a device request after creation.
+            raise HttpAnswer(422, "Invalid", f'Pod "{route.name}" is invalid: spec: Forbidden: {POD_UPDATE_RULE}')
         # metadata.generation counts changes of the desired state (spec) only, as the API server does.
         generation = int(current["metadata"].get("generation", 1))
         new["metadata"]["generation"] = generation + 1 if new.get("spec") != current.get("spec") else generation
