@@ -36,7 +36,6 @@ from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
 from gpuplane.kube.informer import DELETED, Informer
-from gpuplane.kube.network import RdmaNetworks, rdma_annotations
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,
@@ -63,14 +62,12 @@ from gpuplane.kube.objects import (
     ObjectError,
     annotations_of,
     assignment_annotations,
-    node_affinity_json,
     node_info,
     object_key,
     pod_info,
     resource_version,
     split_key,
     taints_json,
-    tolerations_json,
 )
 from gpuplane.model import Assignment, Catalog, Fraction, MigSlice, PodRequest, Taint, WholeCards
 from gpuplane.port import (
@@ -339,9 +336,6 @@ class KubeCluster:
         self._absorb(self.pods, created)
         return Status.success()
 
-    rdma_networks = RdmaNetworks()
-    """How a bind names the network of its RDMA NIC (`gpuplane.kube.network`; set another to change the namespace)."""
-
     def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
         namespace, name = split_key(pod)
         key = f"{namespace}/{name}"
@@ -379,16 +373,7 @@ class KubeCluster:
         status and, on success, the recorded pod (before the Binding)."""
         pod = f"{namespace}/{name}"
         cached = self.pods.get(pod)
-        annotations = assignment_annotations(assignment, self.clock.now())
-        if assignment.rdma is not None:  # the chosen NIC's network, in the same patch (gpuplane.kube.network)
-            node, seen = self._nodes.get(assignment.node), self._pods.get(pod)
-            current = annotations_of(cached) if cached is not None else dict(seen.annotations if seen else ())
-            try:
-                annotations.update(rdma_annotations(self.rdma_networks, current, pod,
-                                                    node.spec.topology.nics if node else (), assignment.rdma))
-            except ValueError as exc:
-                return Status.error(f"bind of {pod} failed: {exc}"), None
-        meta: dict[str, Any] = {"annotations": annotations}
+        meta: dict[str, Any] = {"annotations": assignment_annotations(assignment, self.clock.now())}
         if cached is not None and cached.get("metadata", {}).get("resourceVersion"):
             meta["resourceVersion"] = cached["metadata"]["resourceVersion"]
         try:
@@ -575,11 +560,11 @@ def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -
         limits["memory"] = f"{request.memory_mib}Mi"
     gpu = request.gpu
     if isinstance(gpu, WholeCards):
-        limits[RES_GPU] = "1"
+        limits[RES_GPU] = str(gpu.count)
     elif isinstance(gpu, Fraction):
         if gpu.compute_milli % 10:
             raise ValueError(f"{RES_CORES} is in whole percent; {gpu.compute_milli} milli-cards is not")
-        limits[RES_GPU] = str(gpu.count)
+        limits[RES_GPU] = "1"
         for resource, value in ((RES_CORES, gpu.compute_milli // 10), (RES_MEM, gpu.memory_mib),
                                 (RES_MEM_PCT, gpu.memory_pct), (RES_ENCODERS, gpu.encoders),
                                 (RES_DECODERS, gpu.decoders)):
@@ -615,20 +600,14 @@ def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -
         spec["priority"] = request.priority  # admission refuses it unless it equals the class's value
     if request.preempt is not None:
         spec["preemptionPolicy"] = "PreemptLowerPriority" if request.preempt else "Never"
-    if request.unsupported:
-        raise ValueError(f"a pod using {', '.join(request.unsupported)} cannot be written from its request")
-    selector = dict(request.node_selector)
     if request.pools is not None:
         if len(request.pools) != 1:
             raise ValueError(f"a pod's node selector names one pool, not {sorted(request.pools)}")
-        selector[POOL_LABEL] = next(iter(request.pools))
-    if selector:
-        spec["nodeSelector"] = selector
-    node_affinity = node_affinity_json(request.required_terms, request.preferred_terms)
-    if node_affinity:
-        spec["affinity"] = {"nodeAffinity": node_affinity}
+        spec["nodeSelector"] = {POOL_LABEL: next(iter(request.pools))}
     if request.tolerations:
-        spec["tolerations"] = tolerations_json(request.tolerations)
+        spec["tolerations"] = [{"key": t.key, "operator": "Exists"} if t.value is None
+                               else {"key": t.key, "operator": "Equal", "value": t.value}
+                               for t in request.tolerations]
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
             "spec": spec}

@@ -1,0 +1,108 @@
+"""`gpuplane scheduler`: gpuplane's own scheduler for the pods that name it (`gpuplane.kube.scheduler_mode`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gpuplane.cli.common import fail, log_to_stderr, on_sigterm
+from gpuplane.kube.scheduler_mode import DEFAULT_LEASE_NAME, DEFAULT_LEASE_NAMESPACE, DEFAULT_SCHEDULER_NAME
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("scheduler")
+    def scheduler(
+        scheduler_name: Annotated[str, typer.Option(help="the spec.schedulerName of the pods to schedule")]
+            = DEFAULT_SCHEDULER_NAME,
+        node_policy: Annotated[str, typer.Option("--node-policy", "--policy", help=(
+            "node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd-online, "
+            "fgd-used, colocation"))] = "binpack",
+        card_policy: Annotated[str | None, typer.Option(
+            help="card policy: binpack, spread, card-only-one, custom-topo or colocation "
+                 "(default: the node policy's own, else binpack)")] = None,
+        card_only_one_scope: Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
+            = "workload",
+        topo: Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")] = None,
+        seed: Annotated[int, typer.Option(help="seed for tie-breaks")] = 0,
+        pools: Annotated[Path | None, typer.Option(help="pool settings (YAML, as `simulate --pools`)")] = None,
+        bind_workers: Annotated[int, typer.Option(min=0, help="threads making the API calls of binds, "
+                                                              "conditions and events")] = 8,
+        sync_binds: Annotated[bool, typer.Option("--sync-binds", help=(
+            "bind on the deciding thread, one API round trip after another (the parity experiment)"))] = False,
+        leader_elect: Annotated[bool, typer.Option("--leader-elect/--no-leader-elect",
+                                                   help="elect a leader on a Lease")] = True,
+        lease_namespace: Annotated[str, typer.Option(help="namespace of the Lease")] = DEFAULT_LEASE_NAMESPACE,
+        lease_name: Annotated[str, typer.Option(help="name of the Lease")] = DEFAULT_LEASE_NAME,
+        identity: Annotated[str | None, typer.Option(help="this replica's holder identity [default: $POD_NAME, "
+                                                          "else the host name]")] = None,
+        lease_duration: Annotated[float, typer.Option(help="seconds")] = 15.0,
+        renew_deadline: Annotated[float, typer.Option(help="seconds")] = 10.0,
+        retry_period: Annotated[float, typer.Option(help="seconds")] = 2.0,
+        health_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve /healthz on this port")
+                               ] = None,
+        kubeconfig: Annotated[Path | None, typer.Option(
+            help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")] = None,
+        context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
+    ) -> None:
+        """Schedule the pods whose spec.schedulerName names this scheduler, with gpuplane's core (queue, gangs,
+        backfill, quotas, preemption), until Ctrl-C or SIGTERM."""
+        from gpuplane.cli.extender_cmd import build_profile
+        from gpuplane.kube.api import KubeConfigError, connect_api
+        from gpuplane.kube.lease import LeaseConfig, LeaseConfigError, LeaseElector
+        from gpuplane.kube.operator import HealthServer
+        from gpuplane.kube.scheduler_mode import SchedulerMode
+        from gpuplane.model import GpuplaneError, default_catalog
+        from gpuplane.port import WallClock
+        from gpuplane.sim.pools import load_pools
+
+        if not scheduler_name:
+            fail("--scheduler-name: must not be empty")
+        try:
+            profile = build_profile(node_policy, card_policy, card_only_one_scope, topo, seed)
+            pool_table = load_pools(pools) if pools is not None else None
+        except (GpuplaneError, OSError) as exc:
+            fail(str(exc))
+        holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
+        if kubeconfig is not None and not kubeconfig.is_file():
+            fail(f"--kubeconfig {kubeconfig}: no such file")
+        try:
+            api = connect_api(str(kubeconfig) if kubeconfig else None, context)
+        except KubeConfigError as exc:
+            fail(f"no cluster to talk to: {exc}")
+        clock = WallClock()
+        elector = None
+        if leader_elect:
+            try:
+                config = LeaseConfig(lease_namespace, lease_name, holder, lease_duration, renew_deadline,
+                                     retry_period)
+            except LeaseConfigError as exc:
+                fail(str(exc))
+            elector = LeaseElector(api, config, clock.now)
+        log_to_stderr()
+        health = None
+        if health_port is not None:
+            try:
+                health = HealthServer(health_port).start()
+            except OSError as exc:
+                fail(f"--health-port {health_port}: {exc}")
+        mode = SchedulerMode(api, profile, catalog=default_catalog(), seed=seed, pools=pool_table,
+                             scheduler_name=scheduler_name, elector=elector, clock=clock,
+                             bind_workers=0 if sync_binds else bind_workers, identity=holder)
+        logging.getLogger(__name__).info("gpuplane scheduler %r (%s, seed %d, %s)", scheduler_name, profile.name,
+                                         seed, "leader election on " + f"{lease_namespace}/{lease_name}"
+                                         if leader_elect else "no leader election")
+        stop = threading.Event()
+        try:
+            with on_sigterm(stop.set):
+                mode.run(stop)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if health is not None:
+                health.stop()
