@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
 from gpuplane.kube.informer import DELETED, Informer
+from gpuplane.kube.network import RdmaNetworks, rdma_annotations
 from gpuplane.kube.objects import (
     ASSIGNED_AT,
     ASSIGNMENT,
@@ -336,6 +337,9 @@ class KubeCluster:
         self._absorb(self.pods, created)
         return Status.success()
 
+    rdma_networks = RdmaNetworks()
+    """How a bind names the network of its RDMA NIC (`gpuplane.kube.network`; set another to change the namespace)."""
+
     def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
         namespace, name = split_key(pod)
         key = f"{namespace}/{name}"
@@ -373,7 +377,16 @@ class KubeCluster:
         status and, on success, the recorded pod (before the Binding)."""
         pod = f"{namespace}/{name}"
         cached = self.pods.get(pod)
-        meta: dict[str, Any] = {"annotations": assignment_annotations(assignment, self.clock.now())}
+        annotations = assignment_annotations(assignment, self.clock.now())
+        if assignment.rdma is not None:  # the chosen NIC's network, in the same patch (gpuplane.kube.network)
+            node, seen = self._nodes.get(assignment.node), self._pods.get(pod)
+            current = annotations_of(cached) if cached is not None else dict(seen.annotations if seen else ())
+            try:
+                annotations.update(rdma_annotations(self.rdma_networks, current, pod,
+                                                    node.spec.topology.nics if node else (), assignment.rdma))
+            except ValueError as exc:
+                return Status.error(f"bind of {pod} failed: {exc}"), None
+        meta: dict[str, Any] = {"annotations": annotations}
         if cached is not None and cached.get("metadata", {}).get("resourceVersion"):
             meta["resourceVersion"] = cached["metadata"]["resourceVersion"]
         try:
