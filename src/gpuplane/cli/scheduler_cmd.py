@@ -30,6 +30,9 @@ def register(app: typer.Typer) -> None:
             = "workload",
         topo: Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")] = None,
         seed: Annotated[int, typer.Option(help="seed for tie-breaks")] = 0,
+        typical_pods: Annotated[str | None, typer.Option(help=(
+            "the workload FGD's policies aim at: a bundled trace name (default, gpushare40, gpushare100) or a pod "
+            "CSV, as `simulate --trace` reads it (needed by fgd and fgd-online)"))] = None,
         pools: Annotated[Path | None, typer.Option(help="pool settings (YAML, as `simulate --pools`)")] = None,
         bind_workers: Annotated[int, typer.Option(min=0, help="threads making the API calls of binds, "
                                                               "conditions and events")] = 8,
@@ -52,20 +55,31 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Schedule the pods whose spec.schedulerName names this scheduler, with gpuplane's core (queue, gangs,
         backfill, quotas, preemption), until Ctrl-C or SIGTERM."""
-        from gpuplane.cli.extender_cmd import build_profile
+        from gpuplane.cli.common import policy_config
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError, LeaseElector
         from gpuplane.kube.operator import HealthServer
         from gpuplane.kube.scheduler_mode import SchedulerMode
         from gpuplane.model import GpuplaneError, default_catalog
         from gpuplane.port import WallClock
+        from gpuplane.scheduler import PolicyError, default_registry
+        from gpuplane.scheduler.plugins.frag import TypicalPods
+        from gpuplane.sim import load_pods, resolve_trace
         from gpuplane.sim.pools import load_pools
 
         if not scheduler_name:
             fail("--scheduler-name: must not be empty")
+        catalog = default_catalog()
         try:
-            profile = build_profile(node_policy, card_policy, card_only_one_scope, topo, seed)
+            typical = None
+            if typical_pods is not None:
+                workload = load_pods(resolve_trace(typical_pods), catalog)
+                typical = TypicalPods.from_workload(p.request for p in workload)
+            config = policy_config(node_policy, card_policy, card_only_one_scope, topo, seed, typical=typical)
+            profile = default_registry().build(config)
             pool_table = load_pools(pools) if pools is not None else None
+        except PolicyError as exc:
+            fail(f"--node-policy/--card-policy: {exc}")
         except (GpuplaneError, OSError) as exc:
             fail(str(exc))
         holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
@@ -79,11 +93,11 @@ def register(app: typer.Typer) -> None:
         elector = None
         if leader_elect:
             try:
-                config = LeaseConfig(lease_namespace, lease_name, holder, lease_duration, renew_deadline,
+                lease = LeaseConfig(lease_namespace, lease_name, holder, lease_duration, renew_deadline,
                                      retry_period)
             except LeaseConfigError as exc:
                 fail(str(exc))
-            elector = LeaseElector(api, config, clock.now)
+            elector = LeaseElector(api, lease, clock.now)
         log_to_stderr()
         health = None
         if health_port is not None:
@@ -91,7 +105,7 @@ def register(app: typer.Typer) -> None:
                 health = HealthServer(health_port).start()
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
-        mode = SchedulerMode(api, profile, catalog=default_catalog(), seed=seed, pools=pool_table,
+        mode = SchedulerMode(api, profile, catalog=catalog, seed=seed, pools=pool_table,
                              scheduler_name=scheduler_name, elector=elector, clock=clock,
                              bind_workers=0 if sync_binds else bind_workers, identity=holder)
         logging.getLogger(__name__).info("gpuplane scheduler %r (%s, seed %d, %s)", scheduler_name, profile.name,

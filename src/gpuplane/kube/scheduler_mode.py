@@ -50,7 +50,7 @@ from typing import Any, Protocol
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, pod_path
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.lease import LeaseElector
-from gpuplane.kube.objects import format_time, split_key
+from gpuplane.kube.objects import GANG_SIZE, format_time, split_key
 from gpuplane.model import Assignment, Catalog, PodRequest, PoolConfig, Taint, default_catalog
 from gpuplane.model.quota import Quotas
 from gpuplane.port import (
@@ -356,18 +356,25 @@ class SchedulerPort:
         return known
 
     def _view(self, info: PodInfo, *, admit: bool) -> PodInfo | None:
-        """`info` with its gang namespaced and sized; None (with `admit`) while its PodGroup is not known."""
+        """`info` as the declarations say: counted against its pool's queue (a GpuPool quota), its gang namespaced
+        and sized by its PodGroup; None (with `admit`) while that PodGroup is not known and the pod does not size
+        its gang itself (annotation `gpuplane.io/gang-size`)."""
         request = info.request
-        if request.gang is None:
-            return info
-        namespace, _ = split_key(info.name)
-        size = self.declarations.gang_size(namespace, request.gang)
-        if size is None:
-            if admit and not isinstance(self.declarations, NoDeclarations):
-                return None
-            size = request.gang_size
-        gang = request.gang if "/" in request.gang else f"{namespace}/{request.gang}"
-        return dataclasses.replace(info, request=dataclasses.replace(request, gang=gang, gang_size=size))
+        pool_queue = getattr(self.declarations, "with_pool_queue", None)
+        enriched = pool_queue(request) if pool_queue is not None else request
+        if request.gang is not None:
+            namespace, _ = split_key(info.name)
+            size = self.declarations.gang_size(namespace, request.gang)
+            if size is None:
+                if admit and not isinstance(self.declarations, NoDeclarations) and not self._sizes_itself(info):
+                    return None
+                size = request.gang_size
+            gang = request.gang if "/" in request.gang else f"{namespace}/{request.gang}"
+            enriched = dataclasses.replace(enriched, gang=gang, gang_size=size)
+        return info if enriched is request else dataclasses.replace(info, request=enriched)
+
+    def _sizes_itself(self, info: PodInfo) -> bool:
+        return any(key == GANG_SIZE for key, _ in info.annotations)
 
     def _deliver(self, event: ClusterEvent) -> None:
         for handler in list(self._handlers):
