@@ -1,0 +1,365 @@
+"""`gpuplane scheduler` against the local API server: it binds the pods that name it (the card assignment recorded
+before the Binding, 3 writes a pod), writes PodScheduled and FailedScheduling with kube-scheduler's exact text
+once per message, counts the pods of other schedulers without touching them, preempts through the Eviction API
+with nominatedNodeName (a disruption budget keeps the preemptor waiting), leads on a Lease (a follower decides
+nothing), and rebuilds the same card state after a restart. One test runs it as a separate process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuplane.cli.extender_cmd import build_profile
+from gpuplane.kube.lease import LeaseConfig, LeaseElector
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
+from gpuplane.kube.objects import ASSIGNMENT
+from gpuplane.kube.scheduler_mode import (
+    NO_VICTIMS,
+    NOT_HELPFUL,
+    SchedulerMode,
+    fit_error_message,
+)
+from gpuplane.port import Timer
+
+PODS = "/api/v1/namespaces/default/pods"
+WAIT_S = 20.0
+"""How long a test waits for the scheduler and the watches to get somewhere (never a timing assertion)."""
+
+
+class Clock:
+    def __init__(self, t: float = 1_764_374_400.0) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        raise AssertionError("the scheduler sets no timers: its loop runs the clock's deadlines")
+
+
+@pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as fake:
+        yield fake
+
+
+def pod(name: str, *, cards: int = 0, cpu: str | None = None, scheduler: str = "gpuplane", priority: int = 0,
+        node: str | None = None, phase: str = "Pending", annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    limits = {"gpuplane.io/gpu": str(cards)} if cards else {}
+    if cpu is not None:
+        limits["cpu"] = cpu
+    obj = pod_json(name, limits=limits, node=node, phase=phase, annotations=annotations)
+    obj["spec"]["schedulerName"] = scheduler
+    if priority:
+        obj["spec"]["priority"] = priority
+    return obj
+
+
+def make(server: FakeApiServer, *, bind_workers: int = 0, clock: Clock | None = None,
+         elector: LeaseElector | None = None, identity: str = "test") -> SchedulerMode:
+    return SchedulerMode(server.api, build_profile("binpack", None), seed=42, bind_workers=bind_workers,
+                         clock=clock or Clock(), elector=elector, identity=identity)
+
+
+def settle(modes: list[SchedulerMode], done: Callable[[], bool]) -> None:
+    """Tick the schedulers (and let their writes land) until `done()`; fail if it never is."""
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, "the scheduler did not get there"
+        for mode in modes:
+            mode.tick()
+            mode.flush()
+            if mode.cluster is not None:
+                mode.cluster.wait_for_changes(0.02)
+
+
+def bound(server: FakeApiServer, name: str) -> str | None:
+    obj = server.get("pods", f"default/{name}")
+    return None if obj is None else obj.get("spec", {}).get("nodeName")
+
+
+def events(server: FakeApiServer, name: str, reason: str) -> list[dict[str, Any]]:
+    found = [server.get("events", key) for key in server.keys("events")]
+    return [e for e in found if e is not None and e["regarding"]["name"] == name and e["reason"] == reason]
+
+
+def condition(server: FakeApiServer, name: str) -> dict[str, Any] | None:
+    obj = server.get("pods", f"default/{name}") or {}
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), None)
+
+
+def writes_to(server: FakeApiServer, name: str) -> list[tuple[str, str]]:
+    """The write requests about pod `name` (its own paths, and events regarding it), in order."""
+    out = []
+    for method, path, body in server.requests:
+        if method == "GET":
+            continue
+        about = path.rstrip("/").split("/pods/")[-1].split("/")[0] if "/pods/" in path else None
+        if path.endswith("/events") and isinstance(body, dict):
+            about = body.get("regarding", {}).get("name")
+            path = "events"
+        if about == name:
+            out.append((method, path.split(f"/pods/{name}")[-1] or "pod"))
+    return out
+
+
+# ------------------------------------------------------------------ messages
+@pytest.mark.parametrize(("total", "counts", "prefilter", "postfilter", "expected"), [
+    # Go's sort.Strings on "count reason": "10 …" sorts before "2 …" (string order, not by count).
+    (12, {"GPU model mismatch": 10, "insufficient idle GPUs": 2}, "", "",
+     "0/12 nodes are available: 10 GPU model mismatch, 2 insufficient idle GPUs."),
+    # Equal counts: the reason text decides.
+    (4, {"b": 2, "a": 2}, "", "", "0/4 nodes are available: 2 a, 2 b."),
+    # A PreFilter message replaces the per-node reasons; the PostFilter message follows either.
+    (3, {"ignored": 3}, "gang ns/g: 1 of 2 members submitted", "", "0/3 nodes are available: gang ns/g: 1 of 2 "
+                                                                   "members submitted."),
+    (3, {"Insufficient cpu": 2, "node(s) had untolerated taint(s)": 1}, "",
+     "preemption: 0/3 nodes are available: 1 Preemption is not helpful for scheduling, 2 No preemption victims "
+     "found for incoming pod.",
+     "0/3 nodes are available: 1 node(s) had untolerated taint(s), 2 Insufficient cpu. preemption: 0/3 nodes are "
+     "available: 1 Preemption is not helpful for scheduling, 2 No preemption victims found for incoming pod."),
+    # No node at all: nothing after the colon but the PostFilter's.
+    (0, {}, "", "", "0/0 nodes are available:"),
+])
+def test_fit_error_message_is_kube_schedulers(total: int, counts: dict[str, int], prefilter: str, postfilter: str,
+                                              expected: str) -> None:
+    assert fit_error_message(total, counts, prefilter=prefilter, postfilter=postfilter) == expected
+
+
+# ------------------------------------------------------------------ binding
+@pytest.mark.parametrize("bind_workers", [0, 4])
+def test_binds_with_the_assignment_recorded_first_in_three_writes(server: FakeApiServer, bind_workers: int) -> None:
+    for i in range(2):
+        server.add_node(node_json(f"n{i}", cards=4))
+    mode = make(server, bind_workers=bind_workers)
+    mode.tick()
+    names = [f"p{i}" for i in range(6)]
+    for name in names:
+        server.api.create(PODS, pod(name, cards=1))
+    settle([mode], lambda: all(bound(server, n) for n in names) and all(events(server, n, "Scheduled")
+                                                                       for n in names))
+    used: set[tuple[str, int]] = set()
+    for name in names:
+        obj = server.get("pods", f"default/{name}")
+        assert obj is not None
+        assignment = json.loads(obj["metadata"]["annotations"][ASSIGNMENT])
+        assert assignment["node"] == obj["spec"]["nodeName"]
+        for share in assignment["cards"]:  # whole cards: never one card twice
+            assert (assignment["node"], share["card"]) not in used
+            used.add((assignment["node"], share["card"]))
+        # Recorded, then bound, then announced: exactly the three writes, in that order.
+        assert writes_to(server, name) == [("PATCH", "pod"), ("POST", "/binding"), ("POST", "events")]
+        scheduled = condition(server, name)
+        assert scheduled is not None
+        assert {k: v for k, v in scheduled.items() if k != "lastTransitionTime"} == {"type": "PodScheduled",
+                                                                                    "status": "True"}
+        (event,) = events(server, name, "Scheduled")
+        assert (event["type"], event["action"], event["note"], event["reportingController"]) == (
+            "Normal", "Binding", f"Successfully assigned default/{name} to {obj['spec']['nodeName']}", "gpuplane")
+        assert event["regarding"]["uid"] == obj["metadata"]["uid"]
+    # Binpack fills one node before the other: 6 one-card pods on two 4-card nodes leave 4 + 2.
+    assert sorted(sum(1 for n in names if bound(server, n) == node) for node in ("n0", "n1")) == [2, 4]
+    # No reads beyond the watch streams: every GET is a list or a watch of a collection.
+    singles = [path for method, path, _ in server.requests if method == "GET" and "/pods/" in path]
+    assert singles == []
+    mode.shutdown()
+
+
+def test_failed_scheduling_written_once_with_the_aggregated_message(server: FakeApiServer) -> None:
+    for i in range(10):
+        server.add_node(node_json(f"t{i:02d}", model="T4", cards=4))
+    for i in range(2):
+        server.add_node(node_json(f"a{i}", model="A100-40GB", cards=8))
+    clock = Clock()
+    mode = make(server, clock=clock)
+    mode.tick()
+    server.api.create(PODS, pod("big", cards=16, annotations={"gpuplane.io/gpu-models": "A100-40GB"}))
+    settle([mode], lambda: bool(events(server, "big", "FailedScheduling")))
+    # 10 T4 nodes: wrong model (preemption cannot help); 2 A100 nodes: 8 cards < 16 (no victims to evict there).
+    expected = ("0/12 nodes are available: 10 GPU model mismatch, 2 insufficient idle GPUs. preemption: 0/12 nodes "
+                f"are available: 10 {NOT_HELPFUL}, 2 {NO_VICTIMS}.")
+    (event,) = events(server, "big", "FailedScheduling")
+    assert (event["type"], event["action"], event["note"]) == ("Warning", "Scheduling", expected)
+    found = condition(server, "big")
+    assert found is not None
+    assert (found["status"], found["reason"], found["message"]) == ("False", "Unschedulable", expected)
+    before = writes_to(server, "big")
+    assert before == [("PATCH", "/status"), ("POST", "events")]
+    # Retried (the parked pods' flush, 5 minutes on) with the same outcome: nothing is written again.
+    clock.t += 301
+    attempts = mode.outcomes
+    settle([mode], lambda: mode.outcomes > attempts)
+    assert writes_to(server, "big") == before
+    mode.shutdown()
+
+
+def test_an_unimplemented_constraint_or_unreadable_field_reaches_the_event(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0"))
+    mode = make(server)
+    mode.tick()
+    affinity = pod("aff", cpu="1")
+    affinity["spec"]["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app": "db"}}, "topologyKey": "zone"}]}}
+    bad = pod("bad", cpu="1")
+    bad["spec"]["priority"] = "high"
+    server.api.create(PODS, affinity)
+    server.api.create(PODS, bad)
+    settle([mode], lambda: all(events(server, name, "FailedScheduling") for name in ("aff", "bad")))
+    assert "spec.affinity.podAffinity" in events(server, "aff", "FailedScheduling")[0]["note"]
+    assert events(server, "bad", "FailedScheduling")[0]["note"] == (
+        "0/1 nodes are available: default/bad: spec.priority: must be an integer, got 'high'.")
+    assert bound(server, "aff") is None and bound(server, "bad") is None
+    mode.shutdown()
+
+
+def test_pods_of_other_schedulers_are_left_alone_but_hold_their_capacity(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cpu="64"))
+    server.add_node(node_json("n1", cpu="64"))
+    # Bound by kube-scheduler (no card assignment): its 60 CPUs on n0 are taken whoever bound them.
+    server.add_pod(pod("theirs-bound", cpu="60", scheduler="default-scheduler", node="n0", phase="Running"))
+    server.add_pod(pod("theirs-pending", cpu="1", scheduler="default-scheduler"))
+    mode = make(server)
+    mode.tick()
+    server.api.create(PODS, pod("ours", cpu="8"))
+    settle([mode], lambda: bound(server, "ours") is not None)
+    # Binpack would prefer the fuller n0, but 64 - 60 = 4 CPUs < 8 there.
+    assert bound(server, "ours") == "n1"
+    assert bound(server, "theirs-pending") is None
+    assert writes_to(server, "theirs-pending") == [] and writes_to(server, "theirs-bound") == []
+    mode.shutdown()
+
+
+# ------------------------------------------------------------------ preemption
+def test_preemption_evicts_nominates_and_binds_when_the_victims_are_gone() -> None:
+    with FakeApiServer(pod_deletion_delay_s=None) as server:  # victims stay terminating until finish_deletion
+        server.add_node(node_json("n0", cards=2))
+        mode = make(server)
+        mode.tick()
+        for name in ("low-0", "low-1"):
+            server.api.create(PODS, pod(name, cards=1, priority=100))
+        settle([mode], lambda: bool(bound(server, "low-0") and bound(server, "low-1")))
+        server.api.create(PODS, pod("high", cards=2, priority=1000))
+
+        def nominated() -> str | None:
+            node: str | None = (server.get("pods", "default/high") or {}).get("status", {}).get("nominatedNodeName")
+            return node
+
+        settle([mode], lambda: nominated() == "n0")
+        evictions = [path for method, path, _ in server.requests if path.endswith("/eviction")]
+        assert sorted(evictions) == [f"{PODS}/low-0/eviction", f"{PODS}/low-1/eviction"]
+        assert bound(server, "high") is None
+        found = condition(server, "high")
+        assert found is not None and found["reason"] == "Unschedulable"
+        assert found["message"] == "0/1 nodes are available: 1 insufficient idle GPUs."  # PostFilter succeeded
+        for name in ("low-0", "low-1"):
+            server.finish_deletion(f"default/{name}")
+        settle([mode], lambda: bound(server, "high") == "n0" and nominated() is None)
+        mode.shutdown()
+
+
+def test_an_eviction_a_disruption_budget_refuses_keeps_the_preemptor_waiting(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=1))
+    mode = make(server)
+    mode.tick()
+    server.api.create(PODS, pod("low", cards=1, priority=100))
+    settle([mode], lambda: bound(server, "low") is not None)
+    server.block_eviction("default/low")
+    server.api.create(PODS, pod("high", cards=1, priority=1000))
+    settle([mode], lambda: bool(events(server, "high", "FailedScheduling")))
+    assert server.requests_to(r"/low/eviction$", "POST")  # tried, answered 429
+    assert bound(server, "low") == "n0" and bound(server, "high") is None
+    high = server.get("pods", "default/high") or {}
+    assert "nominatedNodeName" not in high.get("status", {})
+    assert "eviction refused for default/low" in events(server, "high", "FailedScheduling")[0]["note"]
+    mode.shutdown()
+
+
+# ------------------------------------------------------------------ running it
+def test_two_instances_on_one_lease_only_the_leader_decides(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=8))
+    clock = Clock()
+    modes = [make(server, clock=clock, identity=name,
+                  elector=LeaseElector(server.api, LeaseConfig("gpuplane-system", "gpuplane-scheduler", name),
+                                       clock.now)) for name in ("a", "b")]
+    for mode in modes:
+        mode.tick()
+    leader, follower = modes if modes[0].leading else modes[::-1]
+    assert leader.leading and not follower.leading
+    server.api.create(PODS, pod("p0", cards=1))
+    settle(modes, lambda: bound(server, "p0") is not None)
+    assert follower.outcomes == 0 and follower.cluster is None  # no informers, no decisions, no writes
+    # The leader stops renewing (say it hangs); after the lease duration the follower takes over, rebuilds from
+    # the API and binds the next pod beside the first (the card state came back from the recorded assignment).
+    leader.shutdown()
+    clock.t += 16
+    server.api.create(PODS, pod("p1", cards=7))
+    settle([follower], lambda: bound(server, "p1") is not None)
+    assert follower.leading and follower.outcomes == 1
+    cards = [json.loads((server.get("pods", f"default/{n}") or {})["metadata"]["annotations"][ASSIGNMENT])["cards"]
+             for n in ("p0", "p1")]
+    assert sorted(s["card"] for c in cards for s in c) == list(range(8))  # 1 + 7 cards, none twice
+    follower.shutdown()
+
+
+def test_a_restart_rebuilds_the_same_card_state(server: FakeApiServer) -> None:
+    for i in range(3):
+        server.add_node(node_json(f"n{i}", cards=4))
+    first = make(server, bind_workers=4)
+    first.tick()
+    for i in range(5):
+        server.api.create(PODS, pod(f"a{i}", cards=1 + i % 3))
+    settle([first], lambda: all(bound(server, f"a{i}") for i in range(5)))
+    assert first.scheduler is not None
+    cards_before = first.scheduler.state.card_used_milli().tolist()
+    first.shutdown()  # killed: the next one knows only what the API says
+    second = make(server, bind_workers=4)
+    second.tick()
+    assert second.scheduler is not None
+    assert second.scheduler.state.card_used_milli().tolist() == cards_before
+    # 5 pods took 1+2+3+1+2 = 9 of 12 cards; 3 more one-card pods fill it exactly, a fourth does not fit.
+    for i in range(4):
+        server.api.create(PODS, pod(f"b{i}", cards=1))
+    settle([second], lambda: sum(1 for i in range(4) if bound(server, f"b{i}")) == 3
+           and any(events(server, f"b{i}", "FailedScheduling") for i in range(4)))
+    used: set[tuple[str, int]] = set()
+    for key in server.keys("pods"):
+        raw = (server.get("pods", key) or {})["metadata"]["annotations"].get(ASSIGNMENT)
+        if raw and bound(server, key.split("/")[1]):
+            assignment = json.loads(raw)
+            for share in assignment["cards"]:
+                assert (assignment["node"], share["card"]) not in used, "a card was given twice"
+                used.add((assignment["node"], share["card"]))
+    assert len(used) == 12
+    second.shutdown()
+
+
+def test_the_command_schedules_as_a_separate_process(server: FakeApiServer, tmp_path: Path) -> None:
+    server.add_node(node_json("n0", cards=4))
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gpuplane.cli.main", "scheduler", "--kubeconfig", str(kubeconfig),
+         "--no-leader-elect", "--scheduler-name", "gpu-team", "--node-policy", "binpack", "--seed", "7"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        server.api.create(PODS, pod("p0", cards=2, scheduler="gpu-team"))
+        server.api.create(PODS, pod("p1", cards=2, scheduler="gpuplane"))  # not its name: left alone
+        deadline = time.monotonic() + WAIT_S
+        while not events(server, "p0", "Scheduled"):
+            assert child.poll() is None, child.stdout.read().decode() if child.stdout else ""
+            assert time.monotonic() < deadline, "the command did not bind the pod"
+            time.sleep(0.05)
+        assert bound(server, "p0") == "n0" and bound(server, "p1") is None
+        assert events(server, "p0", "Scheduled")[0]["reportingController"] == "gpu-team"
+    finally:
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=WAIT_S)
+    assert child.returncode == 0
