@@ -1,6 +1,8 @@
 """kube-scheduler's HTTP extender over real HTTP on loopback, with kube-scheduler's exact JSON.
 
-Worlds are `SimCluster`s (a cluster port); pods are `v1.Pod` JSON read through `gpuplane.kube.objects`.
+Worlds are `SimCluster`s (a cluster port); pods are `v1.Pod` JSON read through `gpuplane.kube.objects`. Most tests
+run with `--filter-answers feasible` (every node that fits passes, so each node's verdict can be checked); the
+`chosen` tests (the default: only gpuplane's pick passes) are in their own section.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from builders import CATALOG, node
 from gpuplane.cli.extender_cmd import build_profile, load_world, register, sample_pod
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.extender import (
+    PLACED_ELSEWHERE,
     UNKNOWN_NODE,
     VERBS,
     Extender,
@@ -33,6 +36,7 @@ from gpuplane.kube.extender import (
     ExtenderFilterResult,
     ExtenderPreemptionResult,
     ExtenderServer,
+    FilterAnswers,
     HostPriority,
     VictimPod,
     Victims,
@@ -53,7 +57,7 @@ from gpuplane.kube.objects import (
 )
 from gpuplane.model import Assignment, NodeSpec, PodRequest
 from gpuplane.port import EventKind, NodeInfo, PodPhase, Status
-from gpuplane.scheduler import CycleState, Framework
+from gpuplane.scheduler import CycleState, Framework, Scheduler
 from gpuplane.sim.cluster import SimCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,8 +84,9 @@ class Client:
 
 
 @contextmanager
-def serving(world: SimCluster, *, policy: str = "binpack") -> Iterator[tuple[Extender, Client]]:
-    extender = Extender(world, CATALOG, build_profile(policy, None))
+def serving(world: SimCluster, *, policy: str = "binpack", answers: FilterAnswers = FilterAnswers.FEASIBLE,
+            seed: int = 0) -> Iterator[tuple[Extender, Client]]:
+    extender = Extender(world, CATALOG, build_profile(policy, None), filter_answers=answers, seed=seed)
     server = ExtenderServer(extender, port=0).start()
     client = Client(server.address, server.prefix)
     try:
@@ -220,7 +225,8 @@ def test_filter_reads_case_variants_and_writes_exact_names() -> None:
 def test_filter_bad_pod_is_an_error_result_naming_the_field() -> None:
     world = world_of(node("n1").gpus(2).obj())
     pod = sample_pod("p")
-    pod["spec"]["containers"][0]["resources"]["limits"][RES_GPU] = "1.5"
+    for kind in ("limits", "requests"):
+        pod["spec"]["containers"][0]["resources"][kind][RES_GPU] = "1.5"
     with serving(world) as (_, client):
         status, body = client.post("filter", args(pod, ["n1"]))
         assert status == 200 and RES_GPU in body["Error"] and "whole" in body["Error"]
@@ -725,6 +731,123 @@ def test_http_paths_methods_and_limits() -> None:
         extender.close()
 
 
+# ------------------------------------------------------------------ filter answers: chosen (the default)
+def rng_state(extender: Extender) -> Any:
+    """Where every random generator of the extender's scheduler stands (the framework's, the plugins' own)."""
+    framework = extender.scheduler.framework
+    profile = framework.profile
+    plugins: list[object] = [*profile.filters, *(w.plugin for w in profile.scores), profile.picker]
+    generators = [getattr(p, "rng", None) for p in plugins]
+    return [framework.rng.bit_generator.state,
+            *(g.bit_generator.state for g in generators if isinstance(g, np.random.Generator))]
+
+
+def test_chosen_filter_passes_only_gpuplanes_pick_and_says_where_the_others_stand() -> None:
+    world = world_of(node("used").gpus(2, model="A100-40GB").obj(), node("idle").gpus(2, model="A100-40GB").obj(),
+                     node("t4").gpus(2, model="T4").obj())
+    hog = sample_pod("hog", cards=1)
+    pod = sample_pod("p", cards=1, models=("A100-40GB",))
+    pending(world, hog)
+    pending(world, pod)
+    with serving(world, answers=FilterAnswers.CHOSEN) as (extender, client):
+        assert client.post("bind", bind_args(hog, "used")) == (200, {"Error": ""})
+        _, body = client.post("filter", args(pod, ["idle", "used", "t4", "ghost"]))
+    # binpack picks the node already in use; idle fits too but must not pass, or kube-scheduler's
+    # LeastAllocated (which spreads) could bind there. It is unresolvable: never preempt where the pod fits.
+    assert body["NodeNames"] == ["used"] and body["Error"] == ""
+    assert body["FailedAndUnresolvableNodes"]["idle"] == PLACED_ELSEWHERE.format(node="used") == \
+        "gpuplane placed the pod on used"
+    assert "t4" in body["FailedAndUnresolvableNodes"]  # wrong model: the framework's reason, as before
+    assert body["FailedAndUnresolvableNodes"]["ghost"] == UNKNOWN_NODE
+    assert body["FailedNodes"] == {}
+    assert extender.filter_answers is FilterAnswers.CHOSEN
+
+
+def test_chosen_filter_with_no_fit_keeps_every_reason_so_preemption_can_run() -> None:
+    world = world_of(node("full").gpus(1, model="A100-40GB").obj(), node("t4").gpus(1, model="T4").obj())
+    hog = sample_pod("hog", cards=1)
+    pod = sample_pod("p", cards=1, models=("A100-40GB",))
+    pending(world, hog)
+    pending(world, pod)
+    with serving(world, answers=FilterAnswers.CHOSEN) as (_, client):
+        assert client.post("bind", bind_args(hog, "full")) == (200, {"Error": ""})
+        _, body = client.post("filter", args(pod, ["full", "t4"]))
+    assert body["NodeNames"] == []
+    assert "full" in body["FailedNodes"]  # its card is taken: preemption may free it
+    assert "t4" in body["FailedAndUnresolvableNodes"]
+
+
+def test_chosen_same_question_same_answer_without_a_second_draw() -> None:
+    # random node and card policy: every decision draws from the scheduler's generator
+    specs = [node(f"n{i}").gpus(4, model="A100-40GB").obj() for i in range(6)]
+    world = world_of(*specs)
+    pod = sample_pod("p", cards=1)
+    names = [spec.name for spec in specs]
+    with serving(world, policy="random", answers=FilterAnswers.CHOSEN) as (extender, client):
+        before = rng_state(extender)
+        _, first = client.post("filter", args(pod, names))
+        after_first = rng_state(extender)
+        _, again = client.post("filter", args(pod, names))
+        status, scores = client.post("prioritize", args(pod, names))
+        assert rng_state(extender) == after_first != before  # one decision, one set of draws
+    assert again == first and len(first["NodeNames"]) == 1
+    (chosen,) = first["NodeNames"]
+    assert status == 200 and scores == [{"Host": n, "Score": 10 if n == chosen else 0} for n in names]
+
+
+def test_chosen_bind_takes_the_cards_decided_at_filter() -> None:
+    world = world_of(node("n1").gpus(8, model="A100-40GB").obj(), node("n2").gpus(8, model="A100-40GB").obj())
+    pod = sample_pod("p", cards=2)
+    request = pending(world, pod)
+    with serving(world, policy="random", answers=FilterAnswers.CHOSEN, seed=3) as (extender, client):
+        _, body = client.post("filter", args(pod, ["n1", "n2"]))
+        (chosen,) = body["NodeNames"]
+        decided = extender._decide(pod, request, ["n1", "n2"]).decision.assignment  # the cached decision
+        state = rng_state(extender)
+        assert client.post("bind", bind_args(pod, chosen)) == (200, {"Error": ""})
+        assert rng_state(extender) == state  # the random card picker was not asked again
+    info = world.get_pod(request.name)
+    assert decided is not None and info is not None and info.assignment == decided
+
+
+def test_chosen_bind_elsewhere_decides_again_on_that_node() -> None:
+    world = world_of(node("n1").gpus(2, model="A100-40GB").obj(), node("n2").gpus(2, model="A100-40GB").obj())
+    pod = sample_pod("p", cards=1)
+    request = pending(world, pod)
+    with serving(world, answers=FilterAnswers.CHOSEN) as (_, client):
+        _, body = client.post("filter", args(pod, ["n1", "n2"]))
+        other = ({"n1", "n2"} - set(body["NodeNames"])).pop()
+        assert client.post("bind", bind_args(pod, other)) == (200, {"Error": ""})
+    info = world.get_pod(request.name)
+    assert info is not None and info.assignment is not None and info.assignment.node == other
+
+
+def test_chosen_decisions_are_the_simulators_pod_by_pod() -> None:
+    # The extender (filter then bind, as kube-scheduler with one feasible node) against the simulator's own
+    # scheduler over an identical world, same seed, random node and card policy: the same node and cards.
+    rng = random.Random(7)
+    specs = [node(f"n{i}").gpus(rng.choice((2, 4, 8)), model="A100-40GB").obj() for i in range(12)]
+    ours, theirs = world_of(*specs), world_of(*specs)
+    reference = Scheduler(theirs, CATALOG, build_profile("random", None), seed=5)
+    names = [spec.name for spec in specs]
+    with serving(ours, policy="random", answers=FilterAnswers.CHOSEN, seed=5) as (_, client):
+        for i in range(40):
+            share = rng.random() < 0.4
+            pod = sample_pod(f"p{i}", cards=rng.choice((1, 1, 2)), cores=50 if share else None,
+                             memory_mib=4096 if share else None)
+            request = pending(ours, pod)
+            assert theirs.create_pod(request).ok
+            _, body = client.post("filter", args(pod, names))
+            expected = reference.run_pending()[-1].decision.assignment
+            if not body["NodeNames"]:
+                assert expected is None
+                continue
+            assert client.post("bind", bind_args(pod, body["NodeNames"][0])) == (200, {"Error": ""})
+            info = ours.get_pod(request.name)
+            assert info is not None and info.assignment == expected, i
+    reference.close()
+
+
 # ------------------------------------------------------------------ kube-scheduler configuration
 def test_sample_kube_scheduler_configuration() -> None:
     config = yaml.safe_load((ROOT / "deploy/scheduler/kube-scheduler-config.yaml").read_text())
@@ -758,6 +881,14 @@ def test_sample_kube_scheduler_configuration() -> None:
         scheduler_config(weight=0)
 
 
+def test_the_configuration_scores_every_node() -> None:
+    # kube-scheduler's default percentageOfNodesToScore (numFeasibleNodesToFind) stops at 5 %…50 % of the nodes
+    # on a cluster over 100 nodes: the extender would choose among a sample. 100 sends them all.
+    for config in (scheduler_config(), yaml.safe_load((ROOT / "deploy/scheduler/kube-scheduler-config.yaml")
+                                                      .read_text())):
+        assert config["percentageOfNodesToScore"] == 100
+
+
 # ------------------------------------------------------------------ the command
 def cli() -> typer.Typer:
     app = typer.Typer()
@@ -785,6 +916,7 @@ def test_cli_prints_the_configuration_it_serves() -> None:
     (["--card-only-one-scope", "x"], "--card-only-one-scope"),
     (["--port", "70000"], "--port"),
     (["--kubeconfig", "/nonexistent/kubeconfig"], "--kubeconfig: /nonexistent/kubeconfig is not a file"),
+    (["--filter-answers", "best"], "--filter-answers: choose chosen or feasible"),
 ])
 def test_cli_bad_flags_exit_2_naming_the_flag(flags: list[str], message: str) -> None:
     result = CliRunner().invoke(cli(), ["extender", *flags])

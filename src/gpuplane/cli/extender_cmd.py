@@ -34,6 +34,7 @@ from gpuplane.kube.extender import (
     DEFAULT_PREFIX,
     Extender,
     ExtenderServer,
+    FilterAnswers,
     describe_nodes,
     normalise_prefix,
     scheduler_config,
@@ -93,6 +94,10 @@ def register(app: typer.Typer) -> None:
         print_config: Annotated[bool, typer.Option(
             "--print-config", help="print the KubeSchedulerConfiguration that calls this extender, and exit")]
             = False,
+        filter_answers: Annotated[str, typer.Option(
+            "--filter-answers", help="what filter passes: chosen (only the node gpuplane picks, so kube-scheduler "
+                                     "binds there) or feasible (every node that fits; kube-scheduler's scorers "
+                                     "then weigh in)")] = FilterAnswers.CHOSEN.value,
     ) -> None:
         """Serve kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) over the cluster's API.
 
@@ -104,6 +109,7 @@ def register(app: typer.Typer) -> None:
             url = f"http://{host}:{port}{normalise_prefix(prefix)}"
             typer.echo(yaml.safe_dump(scheduler_config(url), sort_keys=False), nl=False)
             return
+        answers = parse_filter_answers(filter_answers)
         if kubeconfig is not None and not kubeconfig.is_file():
             fail(f"--kubeconfig: {kubeconfig} is not a file")
         try:
@@ -113,14 +119,14 @@ def register(app: typer.Typer) -> None:
         catalog = default_catalog()
         cluster = _kube_cluster(catalog, str(kubeconfig) if kubeconfig is not None else None, context)
         core = Extender(cluster, catalog, profile, seed=seed, now=time.time, subscribe_lock=cluster.lock,
-                        uid_names=lambda uid: _pod_by_uid(cluster, uid))
+                        uid_names=lambda uid: _pod_by_uid(cluster, uid), filter_answers=answers)
         # The GpuPools' settings (memory oversubscription) per pool label, kept current while serving.
         pools = PoolSync(cluster.api, catalog, core, subscribe_lock=cluster.lock)
         pools.start()
         server = ExtenderServer(core, host=host, port=port, prefix=prefix)
         gc.freeze()  # the cache is long-lived: keep the collector off it (fewer, shorter pauses)
         table = core.scheduler.pools or {}
-        typer.echo(f"gpuplane extender on {server.url} ({profile.name}; "
+        typer.echo(f"gpuplane extender on {server.url} ({profile.name}, filter answers {answers.value}; "
                    f"{describe_nodes(core.scheduler.state.nodes)}; GpuPools: "
                    f"{', '.join(f'{k} ×{v.memory_oversell:g}' for k, v in sorted(table.items())) or 'none'})",
                    err=True)
@@ -132,6 +138,13 @@ def register(app: typer.Typer) -> None:
             pools.stop()
             core.close()
             cluster.close()
+
+
+def parse_filter_answers(raw: str) -> FilterAnswers:
+    try:
+        return FilterAnswers(raw)
+    except ValueError:
+        fail(f"--filter-answers: choose chosen or feasible, got {raw!r}")
 
 
 def _kube_cluster(catalog: Catalog, kubeconfig: str | None, context: str | None) -> KubeCluster:
@@ -402,3 +415,4 @@ def format_load(result: LoadResult) -> str:
     lines.append(f"  client start lag: p99 {result.start_lag_p99_ms:.2f} ms, max {result.start_lag_max_ms:.2f} ms")
     lines.extend(f"  error: {sample}" for sample in result.error_samples)
     return "\n".join(lines)
+

@@ -14,12 +14,25 @@ Answers, per verb:
   `Nodes` null; one that sends `Nodes` objects is answered with the passing objects and `NodeNames` null;
   every rejected node is listed under `FailedNodes` (preemption may help) or `FailedAndUnresolvableNodes`
   (it cannot: wrong model, a topology rule, a node not in our cache) with the framework's reason.
+  What passes depends on `FilterAnswers`:
+  - `chosen` (the default): only the node gpuplane's scheduler picks among the nodes sent, exactly as the
+    simulator decides (the same framework call, so the same random draws). kube-scheduler, left with one
+    feasible node, skips scoring and binds there, so its own scorers cannot override the policy. The other
+    nodes that fit are listed under `FailedAndUnresolvableNodes` ("gpuplane placed the pod on <node>"):
+    preemption must never evict anything on a node where the pod fits as it is. The decision (node and cards)
+    is kept per pod UID, resourceVersion, node set and cache generation: the same question gets the same
+    answer without a second draw, prioritize scores the chosen node 10 and the rest 0, and bind takes the
+    cards decided at filter if they still fit (else it decides again on that node). A pod with a nominated
+    node is first filtered on that node alone; the pod is then placed there if it fits, as kube-scheduler
+    does. With no node fitting, every node keeps its reason and preempt works as before.
+  - `feasible`: every node that fits passes, and kube-scheduler's scorers weigh in beside ours.
 - prioritize: HTTP 200 with a bare `HostPriorityList`, one entry per node sent, in the order sent. The
   framework's weighted score of each feasible node is mapped onto kube-scheduler's 0…10 by min-max over the
   feasible nodes of the request, `round(10 × (s − min) / (max − min))` (all 10 when they tie): the best node
   gets 10, the worst 0, so the policy's preference survives however narrow its spread (an absolute mapping
   would round FGD's small differences to one value). Infeasible and unknown nodes get 0. A body we cannot
   read: HTTP 400 with `{"Error": …}` (the type has no error field; kube-scheduler logs and ignores it).
+  In `chosen` mode the decision of the filter is scored instead (chosen 10, others 0; no random draw).
 - bind: HTTP 200 with `ExtenderBindingResult`; any failure (unknown pod or node, no longer fits, the port
   refused) is in `Error`, which fails the bind; kube-scheduler then retries the pod.
 - preempt: HTTP 200 with `NodeNameToMetaVictims` (UIDs only). A candidate node is kept only if removing its
@@ -44,6 +57,7 @@ the cache drops those that no longer fit) and fails if not. Lock order is port, 
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -61,7 +75,7 @@ import numpy.typing as npt
 from gpuplane.kube.objects import MANAGED_RESOURCES, RES_GPU, SCHEDULER_NAME, ObjectError, object_key, pod_request
 from gpuplane.model import Assignment, Catalog, NodeSpec, PodRequest, Taint
 from gpuplane.port import ClusterEvent, ClusterPort, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
-from gpuplane.scheduler import CycleState, Decision, Profile, Scheduler, SchedulingRules
+from gpuplane.scheduler import CycleState, Decision, Diagnosis, Profile, Scheduler, SchedulingRules
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +87,15 @@ DEFAULT_PORT = 8888
 MAX_BODY = 256 << 20
 """Bytes a request body may have: a 5,000-node `NodeList` (nodeCacheCapable false) is about 50 MiB."""
 UNKNOWN_NODE = "node is not in gpuplane's cache (unknown to the cluster port, or not synced yet)"
+PLACED_ELSEWHERE = "gpuplane placed the pod on {node}"
+"""The reason a node that fits is not passed in `chosen` mode (listed as unresolvable: never preempt there)."""
+
+
+class FilterAnswers(enum.Enum):
+    """What filter passes: the node gpuplane picks (`chosen`), or every node that fits (`feasible`)."""
+
+    CHOSEN = "chosen"
+    FEASIBLE = "feasible"
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -410,6 +433,10 @@ class _Lru:
             while len(self._data) > self._size:
                 self._data.popitem(last=False)
 
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
 
 # ------------------------------------------------------------------ the verbs
 BoolArray = npt.NDArray[np.bool_]
@@ -432,6 +459,27 @@ def extender_scores(scores: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
     return np.clip(np.floor(scaled + 0.5), 0, MAX_EXTENDER_PRIORITY).astype(np.int64)
 
 
+@dataclass(frozen=True, slots=True)
+class _Chosen:
+    """A `chosen`-mode filter's decision, kept for the same pod's repeated filter, its prioritize and its bind."""
+
+    version: object
+    """The pod's resourceVersion when decided."""
+    nodes: tuple[str, ...]
+    generation: tuple[int, int, int]
+    decision: Decision
+    answer: tuple[list[int], dict[str, str], dict[str, str]]
+    """Indexes of the names that passed, FailedNodes, FailedAndUnresolvableNodes."""
+
+
+def _identity(pod: Mapping[str, Any]) -> tuple[str, object]:
+    meta = pod.get("metadata")
+    if not isinstance(meta, Mapping):
+        return "", None
+    uid = meta.get("uid")
+    return (uid if isinstance(uid, str) else ""), meta.get("resourceVersion")
+
+
 class Extender:
     """The four verbs over a `Scheduler` on `port`, transport-free (the HTTP server is `ExtenderServer`).
 
@@ -439,13 +487,18 @@ class Extender:
     (a port that knows UIDs can supply it); UIDs seen in filter, prioritize and bind are remembered.
     `subscribe_lock` is held while the scheduler lists the port and subscribes to it, so no event falls in
     between (`KubeCluster.lock`; its event delivery holds it, then takes the state lock: the same order).
+    `filter_answers`: what filter passes (module docstring).
     """
 
     def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int = 0,
                  rules: SchedulingRules | None = None, now: Callable[[], float] | None = None,
                  uid_names: Callable[[str], str | None] | None = None, cache_size: int = 4096,
-                 subscribe_lock: AbstractContextManager[Any] | None = None) -> None:
+                 subscribe_lock: AbstractContextManager[Any] | None = None,
+                 filter_answers: FilterAnswers = FilterAnswers.CHOSEN) -> None:
         self.catalog = catalog
+        self.filter_answers = filter_answers
+        self._chosen = _Lru(cache_size)
+        """Pod UID → `_Chosen`: the decision of its last `chosen`-mode filter."""
         self.port = port
         self.state_lock = threading.RLock()
         self.port_lock = threading.Lock()
@@ -483,53 +536,111 @@ class Extender:
         return np.fromiter((index.get(name, -1) for name in names), np.int64, len(names))
 
     # -------------------------------------------------------------- filter
+    def _generation(self) -> tuple[int, int, int]:
+        """Changes whenever the cache does (a pod placed or released anywhere, a rebuild)."""
+        state = self.scheduler.state
+        return id(state), state.size, int(state.node_version.sum())
+
+    def _sent(self, names: Sequence[str]) -> tuple[npt.NDArray[np.int64], BoolArray, BoolArray]:
+        """Rows of the names sent (-1: unknown), which are known, and the mask of their rows."""
+        rows = self._indexes(names)
+        known = rows >= 0
+        mask = np.zeros(self.scheduler.state.size, np.bool_)
+        mask[rows[known]] = True
+        return rows, known, mask
+
+    def _reasons(self, names: Sequence[str], rows: npt.NDArray[np.int64], known: BoolArray, skip: BoolArray,
+                 diagnosis: Diagnosis, *, placed_on: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+        """FailedNodes and FailedAndUnresolvableNodes of the names not in `skip`; with `placed_on`, a node the
+        diagnosis found feasible is reported as placed elsewhere (unresolvable)."""
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        safe = np.where(known, rows, 0)
+        reason_of = diagnosis.reason_of[safe]
+        for i in np.flatnonzero(~skip).tolist():
+            name = names[i]
+            if not known[i]:
+                unresolvable[name] = UNKNOWN_NODE
+                continue
+            idx = int(reason_of[i])
+            if idx < 0 and placed_on is not None:
+                unresolvable[name] = PLACED_ELSEWHERE.format(node=placed_on)
+                continue
+            target = unresolvable if idx in diagnosis.unresolvable else failed
+            target[name] = diagnosis.reasons[idx] if idx >= 0 else "rejected"
+        return failed, unresolvable
+
+    def _filter_feasible(self, pod: PodRequest, names: Sequence[str]) -> tuple[list[int], dict[str, str],
+                                                                                dict[str, str]]:
+        with self.state_lock:
+            state = self.scheduler.state
+            rows, known, mask = self._sent(names)
+            alive, diagnosis = self.scheduler.framework.find_nodes(CycleState(), pod, state, within=mask)
+            assert diagnosis is not None
+            passed = known & alive[np.where(known, rows, 0)]
+            failed, unresolvable = self._reasons(names, rows, known, passed, diagnosis)
+        return np.flatnonzero(passed).tolist(), failed, unresolvable
+
+    def _decide(self, raw: Mapping[str, Any], pod: PodRequest, names: Sequence[str]) -> _Chosen:
+        """gpuplane's decision among `names`, as the simulator makes it; the same question is answered once."""
+        uid, version = _identity(raw)
+        with self.state_lock:
+            generation = self._generation()
+            key = tuple(names)
+            held: _Chosen | None = self._chosen.get(uid) if uid else None
+            if held is not None and held.version == version and held.generation == generation and held.nodes == key:
+                return held
+            state = self.scheduler.state
+            framework = self.scheduler.framework
+            rows, known, mask = self._sent(names)
+            decision = framework.schedule(pod, state, within=mask)
+            if decision.assignment is not None:
+                # The reasons of the others (schedule keeps none on success; the filters draw nothing).
+                _, diagnosis = framework.find_nodes(CycleState(), pod, state, within=mask)
+                first = int(np.flatnonzero(known & (rows == decision.node))[0])
+                passed = np.zeros(len(names), np.bool_)
+                passed[first] = True
+                placed_on: str | None = decision.assignment.node
+            else:
+                diagnosis = decision.diagnosis
+                passed = np.zeros(len(names), np.bool_)
+                placed_on = None
+            assert diagnosis is not None
+            failed, unresolvable = self._reasons(names, rows, known, passed, diagnosis, placed_on=placed_on)
+            chosen = _Chosen(version, key, generation, decision, (np.flatnonzero(passed).tolist(), failed,
+                                                                   unresolvable))
+            if uid:
+                self._chosen.put(uid, chosen)
+            return chosen
+
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         try:
             pod = self.request(args.pod)
         except ObjectError as exc:
             return ExtenderFilterResult(error=str(exc))
         names = args.names()
-        failed: dict[str, str] = {}
-        unresolvable: dict[str, str] = {}
-        with self.state_lock:
-            state = self.scheduler.state
-            rows = self._indexes(names)
-            known = rows >= 0
-            mask = np.zeros(state.size, np.bool_)
-            mask[rows[known]] = True
-            alive, diagnosis = self.scheduler.framework.find_nodes(CycleState(), pod, state, within=mask)
-            assert diagnosis is not None
-            safe = np.where(known, rows, 0)
-            passed = known & alive[safe]
-            reason_of = diagnosis.reason_of[safe]
-            reasons = diagnosis.reasons
-            for i in np.flatnonzero(~passed).tolist():
-                name = names[i]
-                if not known[i]:
-                    unresolvable[name] = UNKNOWN_NODE
-                    continue
-                idx = int(reason_of[i])
-                target = unresolvable if idx in diagnosis.unresolvable else failed
-                target[name] = reasons[idx] if idx >= 0 else "rejected"
-        keep = np.flatnonzero(passed).tolist()
+        if self.filter_answers is FilterAnswers.CHOSEN:
+            keep, failed, unresolvable = self._decide(args.pod, pod, names).answer
+        else:
+            keep, failed, unresolvable = self._filter_feasible(pod, names)
         if args.nodes is not None:
             items = args.node_items()[0]
             rest = {k: v for k, v in args.nodes.items() if k.casefold() != "items"}
-            return ExtenderFilterResult({**rest, "items": [items[i] for i in keep]}, None, failed, unresolvable)
-        return ExtenderFilterResult(None, [names[i] for i in keep], failed, unresolvable)
+            return ExtenderFilterResult({**rest, "items": [items[i] for i in keep]}, None, dict(failed),
+                                        dict(unresolvable))
+        return ExtenderFilterResult(None, [names[i] for i in keep], dict(failed), dict(unresolvable))
 
     # -------------------------------------------------------------- prioritize
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         """Raises `ObjectError` for a pod we cannot read."""
         pod = self.request(args.pod)
         names = args.names()
+        if self.filter_answers is FilterAnswers.CHOSEN:
+            return self._prioritize_chosen(args.pod, pod, names)
         with self.state_lock:
             state = self.scheduler.state
             framework = self.scheduler.framework
-            rows = self._indexes(names)
-            known = rows >= 0
-            mask = np.zeros(state.size, np.bool_)
-            mask[rows[known]] = True
+            rows, known, mask = self._sent(names)
             cycle = CycleState()
             alive, _ = framework.find_nodes(cycle, pod, state, diagnose=False, within=mask)
             feasible = np.flatnonzero(alive)
@@ -539,6 +650,19 @@ class Extender:
         by_node[feasible] = extender_scores(scores)
         result = np.where(known, by_node[np.where(known, rows, 0)], 0).tolist()
         return [HostPriority(name, score) for name, score in zip(names, result, strict=True)]
+
+    def _prioritize_chosen(self, raw: Mapping[str, Any], pod: PodRequest, names: Sequence[str]) -> list[HostPriority]:
+        """The filter's decision scored: its node 10, the others 0 (decided now among `names` if there is none
+        for this pod at this cache generation, or its node is not among them)."""
+        uid, version = _identity(raw)
+        with self.state_lock:
+            held: _Chosen | None = self._chosen.get(uid) if uid else None
+            assignment = held.decision.assignment if held is not None else None
+            if (held is None or held.version != version or held.generation != self._generation()
+                    or assignment is None or assignment.node not in names):
+                assignment = self._decide(raw, pod, names).decision.assignment
+        top = assignment.node if assignment is not None else None
+        return [HostPriority(name, MAX_EXTENDER_PRIORITY if name == top else 0) for name in names]
 
     # -------------------------------------------------------------- bind
     def _bind_request(self, args: ExtenderBindingArgs) -> PodRequest | None:
@@ -572,6 +696,18 @@ class Extender:
                                                      f"{reason or decision.status.message}"))
             return decision
 
+    def _decided(self, args: ExtenderBindingArgs, pod: PodRequest) -> Assignment | None:
+        """The cards a `chosen`-mode filter decided for this pod on `args.node`, if they still fit (taken: a
+        later filter of the pod decides again)."""
+        held: _Chosen | None = self._chosen.get(args.pod_uid) if args.pod_uid else None
+        if held is None:
+            return None
+        self._chosen.drop(args.pod_uid)
+        assignment = held.decision.assignment
+        if assignment is None or assignment.node != args.node:
+            return None
+        return assignment if self.scheduler.state.check(assignment, pod) is None else None
+
     def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
         key = args.pod_key
         if args.pod_uid:
@@ -580,10 +716,12 @@ class Extender:
         if pod is None:
             return ExtenderBindingResult(f"pod {key} is not pending in gpuplane's view of the cluster")
         with self.state_lock:
-            decision = self.placement(pod, args.node)
-            assignment = decision.assignment
+            assignment = self._decided(args, pod)
             if assignment is None:
-                return ExtenderBindingResult(decision.status.message)
+                decision = self.placement(pod, args.node)
+                assignment = decision.assignment
+                if assignment is None:
+                    return ExtenderBindingResult(decision.status.message)
             self.scheduler.assume(pod, assignment)
         with self.port_lock:
             with self.state_lock:
@@ -877,6 +1015,9 @@ def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT
     for pods that ask for gpuplane's resources; all but `gpuplane.io/gpu` (which the device plugin
     advertises) are `ignoredByScheduler`, as no node advertises them. Its own Lease, so it never contends
     with the default scheduler (in `lease_namespace`, where the scheduler's RBAC allows Leases).
+    `percentageOfNodesToScore: 100`: kube-scheduler's default stops filtering once it has found
+    max(100, n × (50 − n/125) %) feasible nodes (5 % at least), so on a large cluster the extender would see
+    only a sample of them (`numFeasibleNodesToFind`); 100 sends every node.
     """
     if weight <= 0:
         raise ValueError(f"weight must be > 0, got {weight}")
@@ -885,6 +1026,7 @@ def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT
         "kind": "KubeSchedulerConfiguration",
         "leaderElection": {"leaderElect": True, "resourceLock": "leases", "resourceName": scheduler_name,
                            "resourceNamespace": lease_namespace},
+        "percentageOfNodesToScore": 100,
         "profiles": [{"schedulerName": scheduler_name}],
         "extenders": [{
             "urlPrefix": url_prefix,
@@ -915,8 +1057,8 @@ def describe_nodes(specs: Sequence[NodeSpec]) -> str:
 
 
 __all__ = [
-    "DEFAULT_PORT", "DEFAULT_PREFIX", "MAX_EXTENDER_PRIORITY", "VERBS", "Extender", "ExtenderArgs",
+    "DEFAULT_PORT", "DEFAULT_PREFIX", "MAX_EXTENDER_PRIORITY", "PLACED_ELSEWHERE", "VERBS", "Extender", "ExtenderArgs",
     "ExtenderBindingArgs", "ExtenderBindingResult", "ExtenderFilterResult", "ExtenderPreemptionArgs",
-    "ExtenderPreemptionResult", "ExtenderServer", "HostPriority", "VictimPod", "Victims", "WireError", "dumps",
-    "extender_scores", "handle", "normalise_prefix", "scheduler_config",
+    "ExtenderPreemptionResult", "ExtenderServer", "FilterAnswers", "HostPriority", "VictimPod", "Victims",
+    "WireError", "dumps", "extender_scores", "handle", "normalise_prefix", "scheduler_config",
 ]
