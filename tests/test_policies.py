@@ -128,7 +128,8 @@ def test_allocation_scores(policy: str, weights: ResourceWeights, request_: PodR
     assert plugin.score(CycleState(), request_, state, nodes)[0] == pytest.approx(expected)
     # The registry wires the same plugin for the policy name.
     profile = default_registry().build(PolicyConfig(node_policy=policy, weights=weights))
-    (weighted,) = profile.scores
+    weighted, *constraints = profile.scores
+    assert [s.plugin.name for s in constraints] == ["NodeAffinity", "TaintToleration"]
     assert weighted.plugin.score(CycleState(), request_, state, nodes)[0] == pytest.approx(expected)
 
 
@@ -690,7 +691,8 @@ def test_registry_profiles() -> None:
     profile = registry.build(PolicyConfig(node_policy="spread", card_policy="card-only-one"))
     assert profile.name == "spread/card-only-one"
     assert [f.name for f in profile.filters] == ["NodeFit", "GpuFit", "CardOnlyOne"]
-    assert [s.plugin.name for s in profile.scores] == ["Spread"]
+    # the policy's score, then kube-scheduler's node-constraint scores (zero for pods without constraints)
+    assert [s.plugin.name for s in profile.scores] == ["Spread", "NodeAffinity", "TaintToleration"]
     assert profile.picker.name == "CardOnlyOne"
     topo = registry.build(PolicyConfig(card_policy="custom-topo", custom_topo=TOPO))
     assert [f.name for f in topo.filters] == ["NodeFit", "GpuFit", "CustomTopo"]

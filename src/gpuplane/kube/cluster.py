@@ -63,12 +63,14 @@ from gpuplane.kube.objects import (
     ObjectError,
     annotations_of,
     assignment_annotations,
+    node_affinity_json,
     node_info,
     object_key,
     pod_info,
     resource_version,
     split_key,
     taints_json,
+    tolerations_json,
 )
 from gpuplane.model import Assignment, Catalog, Fraction, MigSlice, PodRequest, Taint, WholeCards
 from gpuplane.port import (
@@ -613,14 +615,20 @@ def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -
         spec["priority"] = request.priority  # admission refuses it unless it equals the class's value
     if request.preempt is not None:
         spec["preemptionPolicy"] = "PreemptLowerPriority" if request.preempt else "Never"
+    if request.unsupported:
+        raise ValueError(f"a pod using {', '.join(request.unsupported)} cannot be written from its request")
+    selector = dict(request.node_selector)
     if request.pools is not None:
         if len(request.pools) != 1:
             raise ValueError(f"a pod's node selector names one pool, not {sorted(request.pools)}")
-        spec["nodeSelector"] = {POOL_LABEL: next(iter(request.pools))}
+        selector[POOL_LABEL] = next(iter(request.pools))
+    if selector:
+        spec["nodeSelector"] = selector
+    node_affinity = node_affinity_json(request.required_terms, request.preferred_terms)
+    if node_affinity:
+        spec["affinity"] = {"nodeAffinity": node_affinity}
     if request.tolerations:
-        spec["tolerations"] = [{"key": t.key, "operator": "Exists"} if t.value is None
-                               else {"key": t.key, "operator": "Equal", "value": t.value}
-                               for t in request.tolerations]
+        spec["tolerations"] = tolerations_json(request.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
             "spec": spec}

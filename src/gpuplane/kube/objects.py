@@ -3,7 +3,7 @@
 Everything that reads or writes a pod or node in the Kubernetes API goes through this module, so the
 extender, the cluster port, the device plugin and the admission webhook agree on one encoding.
 
-How a pod asks for GPUs (container `resources.limits`, summed over containers; HAMi's conventions):
+How a pod asks for GPUs (container resources, HAMi's conventions; summed as Kubernetes sums a pod, `pod_resources`):
 
 - `gpuplane.io/gpu`: cards wanted. Alone, whole cards.
 - `gpuplane.io/gpucores` (percent of one card's compute, 100 = exclusive) and/or `gpuplane.io/gpumem`
@@ -15,7 +15,9 @@ How a pod asks for GPUs (container `resources.limits`, summed over containers; H
 
 Everything else comes from the pod: `spec.priority`/`priorityClassName`/`preemptionPolicy`, label
 `gpuplane.io/qos`, label `gpuplane.io/queue`, the gang label `scheduling.x-k8s.io/pod-group` with annotation
-`gpuplane.io/gang-size`, annotation `gpuplane.io/gpu-models`, node selector `gpuplane.io/pool`, tolerations.
+`gpuplane.io/gang-size`, annotation `gpuplane.io/gpu-models`, node selector `gpuplane.io/pool` (the pool) and its
+other labels, required and preferred node affinity, tolerations. Placement constraints gpuplane does not implement
+are recorded by field (`PodRequest.unsupported`, `UNSUPPORTED_FIELDS`) and the pod is never placed.
 
 What the scheduler records on the pod before binding (`ASSIGNMENT`, `ASSIGNED_AT`, `BIND_PHASE`) is the
 whole card-level state: a restarted scheduler rebuilds it from pods alone. Users must never set these
@@ -46,14 +48,18 @@ from gpuplane.model import (
     GpuplaneError,
     MigMode,
     MigSlice,
+    NodeSelectorTerm,
     NodeSpec,
     NodeSpecError,
     PodRequest,
+    PreferredTerm,
     QoS,
     RdmaLocality,
     RdmaNic,
     RdmaShare,
     RequestError,
+    Requirement,
+    SelectorOp,
     Taint,
     Toleration,
     Topology,
@@ -263,58 +269,138 @@ def _items(value: object, obj: str, field: str) -> list[Mapping[str, Any]]:
     return value
 
 
-def _resource_map(container: Mapping[str, Any], obj: str, field: str) -> dict[str, str]:
-    """`limits` over `requests` of one container."""
-    resources = container.get("resources")
-    if resources is None:
+BASE_RESOURCES = frozenset({"cpu", "memory"})
+POD_LEVEL_RESOURCES = BASE_RESOURCES
+"""Pod-level `spec.resources` gpuplane reads (Kubernetes' `supportedPodLevelResources`; hugepages, which it also
+takes, are not modelled and so refused as unsupported)."""
+RESTART_ALWAYS = "Always"
+
+
+def _resource_list(value: object, obj: str, field: str, item_field: str | None = None) -> dict[str, Decimal]:
+    """A ResourceList at `field`; a bad quantity names `item_field[<resource>]` (default `field`)."""
+    if value is None:
         return {}
+    if not isinstance(value, Mapping):
+        raise ObjectError(obj, field, "must be an object")
+    return {str(k): quantity(v, obj, f"{item_field or field}[{k}]") for k, v in value.items()}
+
+
+def _requirements(holder: Mapping[str, Any], obj: str, field: str) -> tuple[dict[str, Decimal], dict[str, Decimal]]:
+    """(requests, limits) of the `resources` of a container or pod spec at `field`."""
+    resources = holder.get("resources")
+    if resources is None:
+        return {}, {}
     if not isinstance(resources, Mapping):
         raise ObjectError(obj, f"{field}.resources", "must be an object")
-    merged: dict[str, str] = {}
-    for part in ("requests", "limits"):
-        values = resources.get(part)
-        if values is None:
-            continue
-        if not isinstance(values, Mapping):
-            raise ObjectError(obj, f"{field}.resources.{part}", "must be an object")
-        merged.update({str(k): str(v) for k, v in values.items()})
-    return merged
+    return (_resource_list(resources.get("requests"), obj, f"{field}.resources.requests", f"{field}.resources"),
+            _resource_list(resources.get("limits"), obj, f"{field}.resources.limits", f"{field}.resources"))
+
+
+def container_requests(container: Mapping[str, Any], obj: str, field: str) -> dict[str, Decimal]:
+    """One container's requests as the API server stores them: its requests, with the limit standing in for each
+    resource that has no request (`SetDefaults_Pod`, pkg/apis/core/v1/defaults.go). gpuplane's resources are
+    extended resources, whose request must equal the limit (`ValidateResourceRequirements`)."""
+    requests, limits = _requirements(container, obj, field)
+    for name in MANAGED_RESOURCES:
+        if name in requests and name in limits and requests[name] != limits[name]:
+            raise ObjectError(obj, f"{field}.resources.requests[{name}]",
+                              f"must equal the limit ({limits[name]}) for an extended resource, got {requests[name]}")
+    return {**limits, **requests}
+
+
+def _add(total: dict[str, Decimal], more: Mapping[str, Decimal]) -> None:
+    for name, value in more.items():
+        total[name] = total.get(name, Decimal(0)) + value
+
+
+def _raise_to(total: dict[str, Decimal], more: Mapping[str, Decimal]) -> None:
+    for name, value in more.items():
+        total[name] = max(total.get(name, Decimal(0)), value)
+
+
+def _spec(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = pod.get("spec")
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def _restartable(container: Mapping[str, Any]) -> bool:
+    """A native sidecar: an init container with `restartPolicy: Always` (`isRestartableInitContainer`)."""
+    return container.get("restartPolicy") == RESTART_ALWAYS
+
+
+def _gpu_containers(pod: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(field path, container) of every init container then every container: the order kubelet admits them in."""
+    obj, spec = object_key(pod), _spec(pod)
+    return [(f"spec.{kind}[{i}]", c) for kind in ("initContainers", "containers")
+            for i, c in enumerate(_items(spec.get(kind), obj, f"spec.{kind}"))]
+
+
+def _pod_accounting(pod: Mapping[str, Any]) -> tuple[dict[str, Decimal], tuple[str, ...]]:
+    """(effective requests, fields asking for resources gpuplane does not model): see `pod_resources`."""
+    obj, spec = object_key(pod), _spec(pod)
+    total: dict[str, Decimal] = {}
+    unknown: list[str] = []
+
+    def note(field: str, resources: Mapping[str, Decimal]) -> None:
+        unknown.extend(f"{field}[{name}]" for name, value in resources.items()
+                       if value and name not in BASE_RESOURCES and name not in MANAGED_RESOURCES)
+
+    for i, container in enumerate(_items(spec.get("containers"), obj, "spec.containers")):
+        own = container_requests(container, obj, f"spec.containers[{i}]")
+        note(f"spec.containers[{i}].resources", own)
+        _add(total, own)
+    sidecars: dict[str, Decimal] = {}
+    init_peak: dict[str, Decimal] = {}
+    for i, container in enumerate(_items(spec.get("initContainers"), obj, "spec.initContainers")):
+        own = container_requests(container, obj, f"spec.initContainers[{i}]")
+        note(f"spec.initContainers[{i}].resources", own)
+        if _restartable(container):
+            # A sidecar runs beside everything after it: it adds to the pod and to every later init step.
+            _add(total, own)
+            _add(sidecars, own)
+            _raise_to(init_peak, sidecars)
+        else:
+            step = dict(sidecars)
+            _add(step, own)
+            _raise_to(init_peak, step)
+    _raise_to(total, init_peak)
+    pod_requests, pod_limits = _requirements(spec, obj, "spec")
+    pod_level = {**pod_limits, **pod_requests}
+    note("spec.resources", {k: v for k, v in pod_level.items() if k not in POD_LEVEL_RESOURCES})
+    total.update({k: v for k, v in pod_level.items() if k in POD_LEVEL_RESOURCES})
+    overhead = _resource_list(spec.get("overhead"), obj, "spec.overhead")
+    note("spec.overhead", overhead)
+    _add(total, overhead)
+    return total, tuple(unknown)
 
 
 def pod_resources(pod: Mapping[str, Any]) -> dict[str, Decimal]:
-    """Per resource, the sum over containers of `limits` (falling back to `requests`).
+    """The pod's effective requests per resource, as `PodRequests` (k8s.io/component-helpers resource/helpers.go)
+    computes them for kube-scheduler's NodeResourcesFit:
 
-    Init containers run before the others, so the pod needs the larger of their largest and the sum.
+    - each container's requests, limits standing in where a request is absent (`container_requests`);
+    - the sum over `spec.containers`, plus native sidecars (init containers with `restartPolicy: Always`);
+    - raised to the largest init step, an init container's step being its requests plus those of the sidecars
+      started before it;
+    - pod-level `spec.resources` (requests, limits standing in) replacing that for cpu and memory;
+    - plus `spec.overhead`.
     """
-    obj = object_key(pod)
-    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-    assert isinstance(spec, Mapping)
-    total: dict[str, Decimal] = {}
-    for i, container in enumerate(_items(spec.get("containers"), obj, "spec.containers")):
-        for name, raw in _resource_map(container, obj, f"spec.containers[{i}]").items():
-            total[name] = total.get(name, Decimal(0)) + quantity(raw, obj, f"spec.containers[{i}].resources[{name}]")
-    for i, container in enumerate(_items(spec.get("initContainers"), obj, "spec.initContainers")):
-        for name, raw in _resource_map(container, obj, f"spec.initContainers[{i}]").items():
-            value = quantity(raw, obj, f"spec.initContainers[{i}].resources[{name}]")
-            total[name] = max(total.get(name, Decimal(0)), value)
-    return total
+    return _pod_accounting(pod)[0]
 
 
 def container_units(pod: Mapping[str, Any], resource: str) -> tuple[tuple[str, int], ...]:
-    """(name, whole units of `resource`) of each of the pod's `spec.containers` that asks for it (`limits` over
-    `requests`), in spec order; an unnamed container is `container-<i>`. Raises `ObjectError` naming the field
-    for a container that is not an object or a count that is not whole."""
+    """(name, whole units of `resource`) of each of the pod's containers that asks for it (requests, limits standing
+    in), init containers first, in spec order: the order kubelet allocates devices in. An unnamed container is
+    `container-<i>` (`init-<i>` for an init container). Raises `ObjectError` naming the field for a container that
+    is not an object or a count that is not whole."""
     obj = object_key(pod)
-    spec = pod.get("spec")
-    if not isinstance(spec, Mapping):
-        return ()
     found = []
-    for i, container in enumerate(_items(spec.get("containers"), obj, "spec.containers")):
-        raw = _resource_map(container, obj, f"spec.containers[{i}]").get(resource)
+    for field, container in _gpu_containers(pod):
+        raw = container_requests(container, obj, field).get(resource)
         if raw is not None:
-            field = f"spec.containers[{i}].resources[{resource}]"
-            units = _whole(quantity(raw, obj, field), obj, field)
-            found.append((str(container.get("name") or f"container-{i}"), units))
+            units = _whole(raw, obj, f"{field}.resources[{resource}]")
+            kind = "init" if field.startswith("spec.initContainers") else "container"
+            found.append((str(container.get("name") or f"{kind}-{field[field.index('[') + 1:-1]}"), units))
     return tuple(found)
 
 
@@ -322,14 +408,12 @@ def wants_gpu(pod: Mapping[str, Any]) -> bool:
     """Whether some container asks for one of gpuplane's resources (kube-scheduler's managedResources test).
 
     A pod too malformed to read counts as asking: whoever calls this then reads it and reports why."""
-    spec = pod.get("spec")
-    if not isinstance(spec, Mapping):
+    if not isinstance(pod.get("spec"), Mapping):
         return False
     try:
         obj = object_key(pod)
-        containers = [*_items(spec.get("containers"), obj, "spec.containers"),
-                      *_items(spec.get("initContainers"), obj, "spec.initContainers")]
-        return any(name in MANAGED_RESOURCES for c in containers for name in _resource_map(c, obj, "spec"))
+        return any(name in MANAGED_RESOURCES for field, c in _gpu_containers(pod)
+                   for name in container_requests(c, obj, field))
     except ObjectError:
         return True
 
@@ -371,6 +455,171 @@ def _gpu_form(resources: Mapping[str, Decimal], annotations: Mapping[str, str], 
         raise ObjectError(obj, f"resources ({exc.field})", exc.reason) from None
 
 
+def _object(value: object, obj: str, field: str) -> Mapping[str, Any]:
+    """An object (None: empty); anything else names the field."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ObjectError(obj, field, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _text(value: object, obj: str, field: str) -> str:
+    """A string (None: empty); anything else names the field."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ObjectError(obj, field, f"must be a string, got {value!r}")
+    return value
+
+
+def _tolerations(spec: Mapping[str, Any], obj: str) -> tuple[Toleration, ...]:
+    """`spec.tolerations` (core/v1 `Toleration`; an absent operator is Equal). `tolerationSeconds` only bounds how
+    long a NoExecute taint lets a running pod stay, which is no placement question."""
+    found = []
+    for i, raw in enumerate(_items(spec.get("tolerations"), obj, "spec.tolerations")):
+        field = f"spec.tolerations[{i}]"
+        key, value = _text(raw.get("key"), obj, f"{field}.key"), _text(raw.get("value"), obj, f"{field}.value")
+        operator = _text(raw.get("operator"), obj, f"{field}.operator") or "Equal"
+        effect = _text(raw.get("effect"), obj, f"{field}.effect")
+        if operator == "Exists" and value:
+            raise ObjectError(obj, f"{field}.value", "must be empty when operator is Exists")
+        if operator not in ("Exists", "Equal"):
+            raise ObjectError(obj, f"{field}.operator", f"unsupported operator {operator!r} (Exists, Equal)")
+        try:
+            found.append(Toleration(key, None if operator == "Exists" else value, effect))
+        except RequestError as exc:
+            raise ObjectError(obj, f"{field}.{exc.field.removeprefix('tolerations.')}", exc.reason) from None
+    return tuple(found)
+
+
+def _requirement(raw: Mapping[str, Any], obj: str, field: str) -> Requirement:
+    operator = _text(raw.get("operator"), obj, f"{field}.operator")
+    try:
+        op = SelectorOp(operator)
+    except ValueError:
+        raise ObjectError(obj, f"{field}.operator", f"unsupported operator {operator!r} "
+                                                    f"({', '.join(o.value for o in SelectorOp)})") from None
+    values = raw.get("values") or []
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ObjectError(obj, f"{field}.values", "must be a list of strings")
+    try:
+        return Requirement(_text(raw.get("key"), obj, f"{field}.key"), op, tuple(values))
+    except RequestError as exc:
+        raise ObjectError(obj, f"{field}.{exc.field}", exc.reason) from None
+
+
+def _term(raw: Mapping[str, Any], obj: str, field: str) -> NodeSelectorTerm:
+    """A `NodeSelectorTerm` (`matchExpressions` on labels, `matchFields` on `metadata.name`)."""
+    expressions = tuple(_requirement(r, obj, f"{field}.matchExpressions[{j}]")
+                        for j, r in enumerate(_items(raw.get("matchExpressions"), obj, f"{field}.matchExpressions")))
+    fields = tuple(_requirement(r, obj, f"{field}.matchFields[{j}]")
+                   for j, r in enumerate(_items(raw.get("matchFields"), obj, f"{field}.matchFields")))
+    try:
+        return NodeSelectorTerm(expressions, fields)
+    except RequestError as exc:
+        raise ObjectError(obj, f"{field}.{exc.field}", exc.reason) from None
+
+
+NODE_AFFINITY = "spec.affinity.nodeAffinity"
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+def _node_affinity(spec: Mapping[str, Any],
+                   obj: str) -> tuple[tuple[NodeSelectorTerm, ...] | None, tuple[PreferredTerm, ...]]:
+    """(required terms or None, preferred terms) of `spec.affinity.nodeAffinity`."""
+    affinity = _object(_object(spec.get("affinity"), obj, "spec.affinity").get("nodeAffinity"), obj, NODE_AFFINITY)
+    required: tuple[NodeSelectorTerm, ...] | None = None
+    if affinity.get(REQUIRED) is not None:
+        field = f"{NODE_AFFINITY}.{REQUIRED}"
+        selector = _object(affinity[REQUIRED], obj, field)
+        required = tuple(_term(t, obj, f"{field}.nodeSelectorTerms[{i}]")
+                         for i, t in enumerate(_items(selector.get("nodeSelectorTerms"), obj,
+                                                      f"{field}.nodeSelectorTerms")))
+    preferred = []
+    for i, raw in enumerate(_items(affinity.get(PREFERRED), obj, f"{NODE_AFFINITY}.{PREFERRED}")):
+        field = f"{NODE_AFFINITY}.{PREFERRED}[{i}]"
+        weight = raw.get("weight")
+        if not isinstance(weight, int) or isinstance(weight, bool):
+            raise ObjectError(obj, f"{field}.weight", f"must be an integer, got {weight!r}")
+        term = _term(_object(raw.get("preference"), obj, f"{field}.preference"), obj, f"{field}.preference")
+        try:
+            preferred.append(PreferredTerm(weight, term))
+        except RequestError as exc:
+            raise ObjectError(obj, f"{field}.{exc.field}", exc.reason) from None
+    return required, tuple(preferred)
+
+
+def tolerations_json(tolerations: Sequence[Toleration]) -> list[dict[str, str]]:
+    """`spec.tolerations` that `pod_request` reads back as `tolerations`."""
+    out = []
+    for t in tolerations:
+        doc = {"operator": t.operator}
+        if t.key:
+            doc["key"] = t.key
+        if t.value:
+            doc["value"] = t.value
+        if t.effect:
+            doc["effect"] = t.effect
+        out.append(doc)
+    return out
+
+
+def _term_json(term: NodeSelectorTerm) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for name, requirements in (("matchExpressions", term.expressions), ("matchFields", term.fields)):
+        if requirements:
+            doc[name] = [{"key": r.key, "operator": r.operator.value, "values": list(r.values)} if r.values
+                         else {"key": r.key, "operator": r.operator.value} for r in requirements]
+    return doc
+
+
+def node_affinity_json(required: Sequence[NodeSelectorTerm] | None,
+                       preferred: Sequence[PreferredTerm]) -> dict[str, Any]:
+    """`spec.affinity.nodeAffinity` that `pod_request` reads back as these terms (empty: no node affinity)."""
+    doc: dict[str, Any] = {}
+    if required is not None:
+        doc[REQUIRED] = {"nodeSelectorTerms": [_term_json(t) for t in required]}
+    if preferred:
+        doc[PREFERRED] = [{"weight": p.weight, "preference": _term_json(p.term)} for p in preferred]
+    return doc
+
+
+UNSUPPORTED_FIELDS = (
+    "spec.affinity.podAffinity", "spec.affinity.podAntiAffinity", "spec.topologySpreadConstraints",
+    "spec.resourceClaims", "spec.schedulingGates", "spec.volumes[i].persistentVolumeClaim",
+    "spec.volumes[i].ephemeral", "spec.containers[i].ports[j].hostPort", "spec.initContainers[i].ports[j].hostPort",
+    "spec.containers[i].resources[<resource>]",
+)
+"""Placement constraints gpuplane's scheduler does not implement (inter-pod affinity, topology spread, dynamic
+resource claims, scheduling gates, volume topology and binding, host ports, resources other than cpu, memory and
+gpuplane's): a pod using one is recorded with the field (`PodRequest.unsupported`) and never placed. The resource
+pattern stands for any container, init container, `spec.resources` or `spec.overhead` entry."""
+
+
+def pod_unsupported(pod: Mapping[str, Any]) -> tuple[str, ...]:
+    """The fields of `pod` that constrain its placement in ways gpuplane does not implement (`UNSUPPORTED_FIELDS`),
+    in spec order."""
+    obj, spec = object_key(pod), _spec(pod)
+    found = []
+    affinity = _object(spec.get("affinity"), obj, "spec.affinity")
+    for kind in ("podAffinity", "podAntiAffinity"):
+        if any(_object(affinity.get(kind), obj, f"spec.affinity.{kind}").values()):
+            found.append(f"spec.affinity.{kind}")
+    for name in ("topologySpreadConstraints", "resourceClaims", "schedulingGates"):
+        if _items(spec.get(name), obj, f"spec.{name}"):
+            found.append(f"spec.{name}")
+    for i, volume in enumerate(_items(spec.get("volumes"), obj, "spec.volumes")):
+        found.extend(f"spec.volumes[{i}].{kind}" for kind in ("persistentVolumeClaim", "ephemeral")
+                     if volume.get(kind) is not None)
+    for field, container in _gpu_containers(pod):
+        for j, port in enumerate(_items(container.get("ports"), obj, f"{field}.ports")):
+            if port.get("hostPort"):
+                found.append(f"{field}.ports[{j}].hostPort")
+    return tuple(found)
+
+
 def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     """Read what a pod asks for. Raises `ObjectError` naming the field when it cannot be valid."""
     obj = object_key(pod)
@@ -380,23 +629,22 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     if not isinstance(spec, Mapping):
         raise ObjectError(obj, "spec", "missing or not an object")
     labels, annotations = labels_of(pod), annotations_of(pod)
-    resources = pod_resources(pod)
+    resources, unknown_resources = _pod_accounting(pod)
     gpu = _gpu_form(resources, annotations, obj)
     qos = pod_qos(pod)
     models_raw = annotations.get(GPU_MODELS)
     models = {m.strip() for m in models_raw.split(",") if m.strip()} if models_raw else None
     gang = labels.get(GANG_LABEL)
     gang_size = _int_annotation(annotations, GANG_SIZE, obj) or (1 if gang else 0)
-    selector = _str_map(spec.get("nodeSelector"))
-    pool = selector.get(POOL_LABEL)
+    selector = _str_map(_object(spec.get("nodeSelector"), obj, "spec.nodeSelector"))
+    pool = selector.pop(POOL_LABEL, None)
+    required_terms, preferred_terms = _node_affinity(spec, obj)
     preemption_policy = spec.get("preemptionPolicy")
     priority_class = spec.get("priorityClassName")
     for field, value in (("preemptionPolicy", preemption_policy), ("priorityClassName", priority_class)):
         if value is not None and not isinstance(value, str):
             raise ObjectError(obj, f"spec.{field}", f"must be a string, got {value!r}")
-    tolerations = tuple(
-        Toleration(str(t.get("key") or ""), None if t.get("operator") == "Exists" else str(t.get("value") or ""))
-        for t in _items(spec.get("tolerations"), obj, "spec.tolerations"))
+    tolerations = _tolerations(spec, obj)
     priority = spec.get("priority") or 0
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ObjectError(obj, "spec.priority", f"must be an integer, got {priority!r}")
@@ -419,8 +667,9 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
     try:
         return make_request(
             catalog, obj,
-            cpu_milli=int(resources.get("cpu", Decimal(0)) * 1000),
-            memory_mib=int(resources.get("memory", Decimal(0)) / (1 << 20)),
+            # Rounded up, as Quantity.MilliValue and Value are: a request never counts less than it asks.
+            cpu_milli=math.ceil(resources.get("cpu", Decimal(0)) * 1000),
+            memory_mib=math.ceil(resources.get("memory", Decimal(0)) / (1 << 20)),
             gpu=gpu, models=models,
             priority=priority,
             priority_class=priority_class or None,
@@ -435,6 +684,10 @@ def pod_request(pod: Mapping[str, Any], catalog: Catalog) -> PodRequest:
             pools=frozenset({pool}) if pool else None,
             tolerations=tolerations,
             labels=tuple(sorted(labels.items())),
+            node_selector=tuple(sorted(selector.items())),
+            required_terms=required_terms,
+            preferred_terms=preferred_terms,
+            unsupported=(*pod_unsupported(pod), *unknown_resources),
         )
     except RequestError as exc:
         raise ObjectError(obj, exc.field, exc.reason) from None

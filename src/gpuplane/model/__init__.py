@@ -30,18 +30,27 @@ from gpuplane.model.priority import (
 )
 from gpuplane.model.quota import ModelQuota, QueueQuota, QuotaError, Quotas, canonical_models, load_quotas
 from gpuplane.model.request import (
+    FILTER_EFFECTS,
+    UNSCHEDULABLE_TAINT,
     Fraction,
     GpuForm,
     MigSlice,
+    NodeSelectorTerm,
     PodRequest,
+    PreferredTerm,
     QoS,
+    Requirement,
+    SelectorOp,
     Toleration,
     WholeCards,
     make_request,
+    parse_int64,
 )
 
 __all__ = [
+    "FILTER_EFFECTS",
     "MILLI_PER_CARD",
+    "UNSCHEDULABLE_TAINT",
     "Assignment",
     "Binding",
     "CardModel",
@@ -57,12 +66,14 @@ __all__ = [
     "MigProfile",
     "MigSlice",
     "ModelQuota",
+    "NodeSelectorTerm",
     "NodeSpec",
     "NodeSpecError",
     "PlacementError",
     "PodRequest",
     "PoolConfig",
     "PreemptionPolicy",
+    "PreferredTerm",
     "PriorityClass",
     "PriorityClasses",
     "QoS",
@@ -73,6 +84,8 @@ __all__ = [
     "RdmaNic",
     "RdmaShare",
     "RequestError",
+    "Requirement",
+    "SelectorOp",
     "Taint",
     "Toleration",
     "Topology",
@@ -84,4 +97,5 @@ __all__ = [
     "load_priority_classes",
     "load_quotas",
     "make_request",
+    "parse_int64",
 ]

@@ -25,7 +25,19 @@ from gpuplane.model.catalog import MILLI_PER_CARD, CardModel, Catalog, MigProfil
 from gpuplane.model.errors import NodeSpecError, PlacementError
 from gpuplane.model.node import MigMode, NodeSpec
 from gpuplane.model.podtable import PodTable
-from gpuplane.model.request import MigSlice, PodRequest, QoS, WholeCards
+from gpuplane.model.request import (
+    FILTER_EFFECTS,
+    NODE_NAME_FIELD,
+    MigSlice,
+    NodeSelectorTerm,
+    PodRequest,
+    PreferredTerm,
+    QoS,
+    Requirement,
+    SelectorOp,
+    WholeCards,
+    parse_int64,
+)
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
@@ -65,6 +77,20 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not 1.0 <= self.memory_oversell <= 16.0:
             raise NodeSpecError(f"memory_oversell must be within 1..16, got {self.memory_oversell}")
+
+
+@dataclass(frozen=True, slots=True)
+class _LabelColumn:
+    """One label key across the nodes: `codes[i]` indexes `index`'s values (-1: node i lacks the label);
+    `numbers[i]` is the value as an int64 where `numeric[i]` (for Gt/Lt)."""
+
+    codes: IntArray
+    index: dict[str, int]
+    numbers: IntArray
+    numeric: BoolArray
+
+
+AffinityKey = tuple[tuple[tuple[str, str], ...], tuple[NodeSelectorTerm, ...] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +164,7 @@ class ClusterState:
         """Names of the pods placed on each node."""
         self._allowed_cache: dict[frozenset[str] | None, BoolArray] = {}
         self.tainted: set[int] = set()
+        self._reset_label_caches()
         self.pod_table = PodTable()
         """Every placed pod and card share as numpy rows (for preemption's vectorised screens)."""
         self._alloc(0, 0)
@@ -258,6 +285,7 @@ class ClusterState:
         self.schedulable[n] = spec.schedulable
         if spec.taints:
             self.tainted.add(n)
+        self._reset_label_caches()
         return n
 
     def _set_pool(self, n: int, pool: str) -> None:
@@ -291,6 +319,8 @@ class ClusterState:
         if changed:
             raise NodeSpecError(f"node {spec.name}: {', '.join(changed)} changed: shape and capacity changes need "
                                 "the node removed and added again")
+        if spec.labels != old.labels:
+            self._reset_label_caches()
         if spec.pool != old.pool:
             self.nodes[n] = spec
             try:
@@ -310,14 +340,128 @@ class ClusterState:
         return np.fromiter((spec.pool in pools for spec in self.nodes), np.bool_, self.size)
 
     def taint_mask(self, request: PodRequest) -> BoolArray | None:
-        """Nodes whose NoSchedule taints the pod tolerates; None when no node is tainted."""
+        """Nodes whose NoSchedule and NoExecute taints the pod all tolerates (kube-scheduler's TaintToleration
+        filter, `FindMatchingUntoleratedTaint`); None when no node is tainted."""
         if not self.tainted:
             return None
         mask = np.ones(self.size, np.bool_)
         for i in self.tainted:
-            mask[i] = all(request.tolerates(t.key, t.value) for t in self.nodes[i].taints
-                          if t.effect in ("NoSchedule", "NoExecute"))
+            mask[i] = all(request.tolerates(t.key, t.value, t.effect) for t in self.nodes[i].taints
+                          if t.effect in FILTER_EFFECTS)
         return mask
+
+    def prefer_no_schedule_counts(self, request: PodRequest) -> IntArray | None:
+        """Per node, the PreferNoSchedule taints the pod does not tolerate (TaintToleration's score counts them);
+        None when no node has one the pod does not tolerate."""
+        counts = np.zeros(self.size, np.int64)
+        for i in self.tainted:
+            counts[i] = sum(1 for t in self.nodes[i].taints
+                            if t.effect == "PreferNoSchedule" and not request.tolerates(t.key, t.value, t.effect))
+        return counts if counts.any() else None
+
+    # ---------------------------------------------------------------- node labels (selector, affinity)
+    def _reset_label_caches(self) -> None:
+        """Forget what was worked out from node labels and names (new dicts: a copy keeps its own)."""
+        self._node_labels: list[dict[str, str]] | None = None
+        self._label_columns: dict[str, _LabelColumn] = {}
+        self._affinity_masks: dict[AffinityKey, BoolArray] = {}
+        self._preferred_weights: dict[tuple[PreferredTerm, ...], IntArray] = {}
+
+    def _column(self, key: str) -> _LabelColumn:
+        column = self._label_columns.get(key)
+        if column is not None:
+            return column
+        if self._node_labels is None:
+            self._node_labels = [dict(spec.labels) for spec in self.nodes]
+        n = self.size
+        codes = np.full(n, -1, np.int64)
+        numbers = np.zeros(n, np.int64)
+        numeric = np.zeros(n, np.bool_)
+        index: dict[str, int] = {}
+        for i, labels in enumerate(self._node_labels):
+            value = labels.get(key)
+            if value is None:
+                continue
+            codes[i] = index.setdefault(value, len(index))
+            number = parse_int64(value)
+            if number is not None:
+                numbers[i], numeric[i] = number, True
+        column = _LabelColumn(codes, index, numbers, numeric)
+        self._label_columns[key] = column
+        return column
+
+    def _requirement_mask(self, requirement: Requirement) -> BoolArray:
+        """Nodes whose labels satisfy one requirement (`labels.Requirement.Matches`), vectorised."""
+        op = requirement.operator
+        column = self._column(requirement.key)
+        if op in (SelectorOp.IN, SelectorOp.NOT_IN):
+            wanted = [column.index[v] for v in requirement.values if v in column.index]
+            found: BoolArray = np.isin(column.codes, wanted) if wanted else np.zeros(self.size, np.bool_)
+            return found if op is SelectorOp.IN else ~found
+        if op is SelectorOp.EXISTS:
+            present: BoolArray = column.codes >= 0
+            return present
+        if op is SelectorOp.DOES_NOT_EXIST:
+            absent: BoolArray = column.codes < 0
+            return absent
+        bound = int(requirement.values[0])
+        compared = column.numbers > bound if op is SelectorOp.GT else column.numbers < bound
+        out: BoolArray = column.numeric & compared
+        return out
+
+    def _field_mask(self, requirement: Requirement) -> BoolArray:
+        """Nodes whose name satisfies a `matchFields` requirement (`metadata.name` In/NotIn one name)."""
+        assert requirement.key == NODE_NAME_FIELD
+        mask = np.zeros(self.size, np.bool_)
+        row = self.node_index.get(requirement.values[0])
+        if row is not None:
+            mask[row] = True
+        return mask if requirement.operator is SelectorOp.IN else ~mask
+
+    def term_mask(self, term: NodeSelectorTerm) -> BoolArray:
+        """Nodes a `NodeSelectorTerm` matches (an empty term matches none)."""
+        mask = np.full(self.size, not term.empty, np.bool_)
+        for requirement in term.expressions:
+            mask &= self._requirement_mask(requirement)
+        for requirement in term.fields:
+            mask &= self._field_mask(requirement)
+        return mask
+
+    def affinity_mask(self, request: PodRequest) -> BoolArray | None:
+        """Nodes that satisfy the pod's node selector and required node affinity (kube-scheduler's NodeAffinity
+        filter, `RequiredNodeAffinity.Match`); None when the pod has neither. Cached per distinct constraint."""
+        if not request.has_node_constraints:
+            return None
+        key: AffinityKey = (request.node_selector, request.required_terms)
+        mask = self._affinity_masks.get(key)
+        if mask is not None:
+            return mask
+        mask = np.ones(self.size, np.bool_)
+        for label, value in request.node_selector:
+            column = self._column(label)
+            code = column.index.get(value)
+            mask &= column.codes == code if code is not None else False
+        if request.required_terms is not None:
+            matched = np.zeros(self.size, np.bool_)
+            for term in request.required_terms:
+                matched |= self.term_mask(term)
+            mask &= matched
+        if len(self._affinity_masks) >= 1024:
+            self._affinity_masks.clear()
+        self._affinity_masks[key] = mask
+        return mask
+
+    def preferred_weights(self, terms: tuple[PreferredTerm, ...]) -> IntArray:
+        """Per node, the sum of the weights of the preferred terms it matches (`PreferredSchedulingTerms.Score`)."""
+        weights = self._preferred_weights.get(terms)
+        if weights is None:
+            weights = np.zeros(self.size, np.int64)
+            for preferred in terms:
+                weights += preferred.weight * self.term_mask(preferred.term)
+            if len(self._preferred_weights) >= 1024:
+                self._preferred_weights.clear()
+            self._preferred_weights[terms] = weights
+        return weights
 
     def model_allowed(self, models: frozenset[str] | None) -> BoolArray:
         """Per catalog model index: whether the request allows it (cached per model set)."""
@@ -532,6 +676,9 @@ class ClusterState:
         clone.tainted = set(self.tainted)
         clone.pod_table = self.pod_table.copy()
         clone._allowed_cache = dict(self._allowed_cache)
+        clone._label_columns = dict(self._label_columns)
+        clone._affinity_masks = dict(self._affinity_masks)
+        clone._preferred_weights = dict(self._preferred_weights)
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:

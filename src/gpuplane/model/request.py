@@ -93,11 +93,145 @@ class MigSlice:
 GpuForm = WholeCards | Fraction | MigSlice
 
 
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+FILTER_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
+"""Taint effects that keep a pod off a node (kube-scheduler's TaintToleration filter); PreferNoSchedule only scores."""
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+"""The taint a cordoned node stands for (kube-scheduler's NodeUnschedulable plugin: effect NoSchedule, no value)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Toleration:
-    key: str
+    """A pod's toleration, as core/v1 `Toleration`: `key` "" with operator Exists tolerates every taint, `effect` ""
+    matches every effect. The operator is carried by `value`: None is Exists, a string (possibly "") is Equal."""
+
+    key: str = ""
     value: str | None = None
-    """None tolerates every value of the key (operator Exists)."""
+    effect: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key and self.value is not None:
+            raise RequestError("tolerations.operator", "must be Exists when the key is empty (all keys)")
+        if self.effect and self.effect not in TAINT_EFFECTS:
+            raise RequestError("tolerations.effect", f"unknown effect {self.effect!r} ({', '.join(TAINT_EFFECTS)})")
+
+    @property
+    def operator(self) -> str:
+        return "Exists" if self.value is None else "Equal"
+
+    def tolerates(self, key: str, value: str, effect: str) -> bool:
+        """`ToleratesTaint` of k8s.io/api core/v1 toleration.go."""
+        if self.effect and self.effect != effect:
+            return False
+        if self.key and self.key != key:
+            return False
+        return self.value is None or self.value == value
+
+
+class SelectorOp(enum.Enum):
+    """Operators of a `NodeSelectorRequirement`."""
+
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+    GT = "Gt"
+    LT = "Lt"
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+NODE_NAME_FIELD = "metadata.name"
+"""The one node field `matchFields` may name."""
+
+
+def parse_int64(raw: str) -> int | None:
+    """Go's `strconv.ParseInt(raw, 10, 64)`: optional sign, ASCII digits, within int64; None otherwise."""
+    digits = raw[1:] if raw[:1] in ("+", "-") else raw
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    value = int(raw)
+    return value if INT64_MIN <= value <= INT64_MAX else None
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """One `NodeSelectorRequirement`, checked as `labels.NewRequirement` checks it: In/NotIn need values,
+    Exists/DoesNotExist none, Gt/Lt exactly one integer."""
+
+    key: str
+    operator: SelectorOp
+    values: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        op = self.operator
+        if not self.key:
+            raise RequestError("key", "must not be empty")
+        if op in (SelectorOp.IN, SelectorOp.NOT_IN) and not self.values:
+            raise RequestError("values", f"must be non-empty for operator {op.value}")
+        if op in (SelectorOp.EXISTS, SelectorOp.DOES_NOT_EXIST) and self.values:
+            raise RequestError("values", f"must be empty for operator {op.value}")
+        if op in (SelectorOp.GT, SelectorOp.LT):
+            if len(self.values) != 1:
+                raise RequestError("values", f"must have exactly one value for operator {op.value}")
+            if parse_int64(self.values[0]) is None:
+                raise RequestError("values", f"must be an integer for operator {op.value}, got {self.values[0]!r}")
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        """`Requirement.Matches` of k8s.io/apimachinery labels/selector.go."""
+        op, present = self.operator, self.key in labels
+        if op is SelectorOp.IN:
+            return present and labels[self.key] in self.values
+        if op is SelectorOp.NOT_IN:
+            return not present or labels[self.key] not in self.values
+        if op is SelectorOp.EXISTS:
+            return present
+        if op is SelectorOp.DOES_NOT_EXIST:
+            return not present
+        number = parse_int64(labels[self.key]) if present else None
+        if number is None:
+            return False
+        bound = int(self.values[0])
+        return number > bound if op is SelectorOp.GT else number < bound
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSelectorTerm:
+    """A `NodeSelectorTerm`: every label requirement and every field requirement (`metadata.name` In/NotIn one
+    name) must hold. A term with neither matches no node."""
+
+    expressions: tuple[Requirement, ...] = ()
+    fields: tuple[Requirement, ...] = ()
+
+    def __post_init__(self) -> None:
+        for requirement in self.fields:
+            if requirement.key != NODE_NAME_FIELD:
+                raise RequestError("matchFields.key", f"only {NODE_NAME_FIELD} is a node field, got "
+                                                      f"{requirement.key!r}")
+            if requirement.operator not in (SelectorOp.IN, SelectorOp.NOT_IN) or len(requirement.values) != 1:
+                raise RequestError("matchFields", "a field requirement is In or NotIn with exactly one value")
+
+    @property
+    def empty(self) -> bool:
+        return not self.expressions and not self.fields
+
+    def matches(self, name: str, labels: dict[str, str]) -> bool:
+        """The term's match in k8s.io/component-helpers scheduling/corev1/nodeaffinity/nodeaffinity.go."""
+        if self.empty:
+            return False
+        fields = {NODE_NAME_FIELD: name}
+        return all(r.matches(labels) for r in self.expressions) and all(r.matches(fields) for r in self.fields)
+
+
+@dataclass(frozen=True, slots=True)
+class PreferredTerm:
+    """A `PreferredSchedulingTerm`: nodes matching `term` score `weight` (1..100)."""
+
+    weight: int
+    term: NodeSelectorTerm
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.weight <= 100:
+            raise RequestError("weight", f"must be within 1..100, got {self.weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +265,14 @@ class PodRequest:
     """Node pools the pod may run in; None allows every pool."""
     tolerations: tuple[Toleration, ...] = ()
     labels: tuple[tuple[str, str], ...] = field(default=())
+    node_selector: tuple[tuple[str, str], ...] = ()
+    """`spec.nodeSelector` pairs (sorted) the node's labels must all hold, beyond the pool in `pools`."""
+    required_terms: tuple[NodeSelectorTerm, ...] | None = None
+    """Required node affinity: ORed terms (None: no requirement; empty: no node matches)."""
+    preferred_terms: tuple[PreferredTerm, ...] = ()
+    """Preferred node affinity, scored as kube-scheduler's NodeAffinity plugin scores it."""
+    unsupported: tuple[str, ...] = ()
+    """Field paths of placement constraints gpuplane does not implement: such a pod is never placed."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -172,8 +314,19 @@ class PodRequest:
             return gpu.count * gpu.compute_milli
         return 0
 
-    def tolerates(self, key: str, value: str) -> bool:
-        return any(t.key == key and (t.value is None or t.value == value) for t in self.tolerations)
+    def tolerates(self, key: str, value: str = "", effect: str = "NoSchedule") -> bool:
+        """`TolerationsTolerateTaint` of k8s.io/api core/v1 toleration.go: some toleration tolerates the taint."""
+        return any(t.tolerates(key, value, effect) for t in self.tolerations)
+
+    @property
+    def tolerates_unschedulable(self) -> bool:
+        """Whether a cordoned node takes this pod (NodeUnschedulable: the taint `UNSCHEDULABLE_TAINT:NoSchedule`)."""
+        return self.tolerates(UNSCHEDULABLE_TAINT, "", "NoSchedule")
+
+    @property
+    def has_node_constraints(self) -> bool:
+        """Whether node labels or names decide anything for this pod (selector or required affinity)."""
+        return bool(self.node_selector) or self.required_terms is not None
 
 
 def make_request(catalog: Catalog, name: str, *, cpu_milli: int = 0, memory_mib: int = 0,

@@ -27,7 +27,9 @@ What a container gets (`container_allocation`):
 - device nodes `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools` and `/dev/nvidia<minor>` per card
   (the parent card for MIG), as the NVIDIA plugin passes with `PASS_DEVICE_SPECS=true`.
 
-Init containers are not matched (a pod's GPU containers are its `spec.containers` that ask for the resource).
+A pod's GPU containers are those that ask for the resource (requests, limits standing in: `container_units`), init
+containers first, in the order kubelet allocates devices: a native sidecar's cards are its own run, and a plain init
+container asking as many units as the pod's cards gets them all, as kubelet hands them on to the next container.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class PendingPod:
     assigned_at: float
     qos: QoS = QoS.ONLINE
     containers: tuple[tuple[str, int], ...] = ()
-    """(name, units of the GPU resource) of each container that asks for it, in spec order."""
+    """(name, units of the GPU resource) of each container that asks for it, init containers first (kubelet's
+    order; `container_units`)."""
     handed: int = 0
     """GPU containers already handed their cards (`ALLOCATED_CONTAINERS`)."""
 

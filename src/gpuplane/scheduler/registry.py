@@ -22,6 +22,12 @@ from gpuplane.scheduler.plugins.baselines import (
 )
 from gpuplane.scheduler.plugins.cards import CardOnlyOne, CardOnlyOneScope, CardOrder, OrderedCardPicker
 from gpuplane.scheduler.plugins.colocation import ColocationCardPicker, ColocationScore
+from gpuplane.scheduler.plugins.constraints import (
+    NODE_AFFINITY_WEIGHT,
+    TAINT_TOLERATION_WEIGHT,
+    NodeAffinityScore,
+    TaintTolerationScore,
+)
 from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdScore, FgdUsedScore, OnlineFgdScore
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
 from gpuplane.scheduler.plugins.frag import TypicalPods
@@ -90,7 +96,7 @@ class Registry:
         card_name = config.card_policy
         if card_name is None and node_policy.picker is not None:
             return Profile(name=f"{config.node_policy}/{node_policy.picker.name}",
-                           filters=(NodeFit(), GpuFit()), scores=tuple(node_policy.scores),
+                           filters=(NodeFit(), GpuFit()), scores=_with_constraints(node_policy.scores),
                            picker=node_policy.picker, tie_break=tie_break)
         card_name = card_name or "binpack"
         card = self.card_policies.get(card_name)
@@ -101,10 +107,16 @@ class Registry:
         return Profile(
             name=f"{config.node_policy}/{card_name}",
             filters=(NodeFit(), GpuFit(), *card_filters),
-            scores=tuple(node_policy.scores),
+            scores=_with_constraints(node_policy.scores),
             picker=picker,
             tie_break=tie_break,
         )
+
+
+def _with_constraints(scores: Sequence[WeightedScore]) -> tuple[WeightedScore, ...]:
+    """The policy's scores, then the scores of the pod's node constraints (zero for a pod without them)."""
+    return (*scores, WeightedScore(NodeAffinityScore(), NODE_AFFINITY_WEIGHT),
+            WeightedScore(TaintTolerationScore(), TAINT_TOLERATION_WEIGHT))
 
 
 def _custom_topo(config: PolicyConfig) -> tuple[tuple[FilterPlugin, ...], CardPicker]:

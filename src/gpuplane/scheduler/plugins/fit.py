@@ -1,4 +1,9 @@
-"""Fit filters: node resources (`NodeFit`) and card resources (`GpuFit`), vectorised over the cluster."""
+"""Fit filters: node constraints and resources (`NodeFit`) and card resources (`GpuFit`), vectorised over the cluster.
+
+`NodeFit` applies kube-scheduler's node filters in its order: NodeUnschedulable, TaintToleration, NodeAffinity
+(node selector and required node affinity), then the resources. A pod that uses a placement constraint gpuplane
+does not implement (`PodRequest.unsupported`) is refused on every node, unresolvably, the fields named.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from gpuplane.scheduler.framework import CardCheck, Check, CycleState, NodeCheck
 UNSCHEDULABLE_NODE = "node(s) were unschedulable"
 POOL_MISMATCH = "node(s) in another pool"
 UNTOLERATED_TAINT = "node(s) had untolerated taints"
+AFFINITY_MISMATCH = "node(s) didn't match Pod's node affinity/selector"
+UNSUPPORTED_PREFIX = "gpuplane does not implement the pod's "
 NO_GPU = "node(s) have no GPU"
 MODEL_MISMATCH = "GPU model mismatch"
 INSUFFICIENT_CPU = "insufficient cpu"
@@ -29,18 +36,25 @@ NO_MIG_SLOT = "no free MIG slot for the profile"
 
 
 class NodeFit:
-    """Node-level predicates: schedulable, pool, taints, GPU model, CPU, memory, RDMA."""
+    """Node-level predicates: supported constraints, schedulable, pool, taints, node affinity, GPU model, CPU,
+    memory, RDMA."""
 
     name = "NodeFit"
 
     def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
         n = state.size
-        yield NodeCheck(UNSCHEDULABLE_NODE, state.schedulable[:n], resolvable=False)
+        if pod.unsupported:
+            yield NodeCheck(unsupported_reason(pod.unsupported), np.zeros(n, np.bool_), resolvable=False)
+        if not pod.tolerates_unschedulable:
+            yield NodeCheck(UNSCHEDULABLE_NODE, state.schedulable[:n], resolvable=False)
         if pod.pools is not None:
             yield NodeCheck(POOL_MISMATCH, state.pools_mask(pod.pools), resolvable=False)
         tolerated = state.taint_mask(pod)
         if tolerated is not None:
             yield NodeCheck(UNTOLERATED_TAINT, tolerated, resolvable=False)
+        selected = state.affinity_mask(pod)
+        if selected is not None:
+            yield NodeCheck(AFFINITY_MISMATCH, selected, resolvable=False)
         if pod.gpu is not None:
             model_idx = state.model_idx[:n]
             yield NodeCheck(NO_GPU, model_idx >= 0, resolvable=False)
@@ -52,6 +66,11 @@ class NodeFit:
             yield NodeCheck(INSUFFICIENT_MEMORY, state.mem_free[:n] >= pod.memory_mib)
         if pod.rdma_vfs:
             yield NodeCheck(INSUFFICIENT_RDMA, state.rdma_max_free[:n] >= pod.rdma_vfs)
+
+
+def unsupported_reason(fields: tuple[str, ...]) -> str:
+    """The refusal of a pod using constraints gpuplane does not implement, naming the fields."""
+    return f"{UNSUPPORTED_PREFIX}{', '.join(fields)}"
 
 
 class GpuFit:
