@@ -2,9 +2,11 @@
 over their real protocols with no live cluster.
 
 `FakeApiServer` is the API server (real HTTP, the API's paths and status codes). The test plays the other parties:
-a user (an AdmissionReview POSTed to the webhook, then a pod created through the API), kube-scheduler (the
-extender's filter/prioritize/bind/preempt JSON over keep-alive HTTP, nodeCacheCapable: node names only) and the
-kubelet (`FakeKubelet`: the device plugin API v1beta1 over unix-socket gRPC). Each component has its own API
+a user (an AdmissionReview POSTed to the webhook, then a pod created through the API), kube-scheduler
+(`gpuplane.kube.standin`: its default filters and scorers over its own informer view, calling the extender's
+filter/prioritize/bind as the generated KubeSchedulerConfiguration says, nodeCacheCapable; single verbs through its
+`ExtenderClient`) and the kubelet (`FakeKubelet`: the device plugin API v1beta1 over unix-socket gRPC; the nodes'
+allocatable `gpuplane.io/gpu` is what kubelet would publish for the plugin's units). Each component has its own API
 client, as separate processes would. The GPU node `gpu-x` runs the device plugin over `FakeGpuBackend` cards; the
 plugin publishes the node's inventory, so the UUIDs the scheduler assigns are the ones the plugin hands out.
 """
@@ -27,7 +29,7 @@ from tests.fake_kubelet import WAIT_S, FakeKubelet
 from gpuplane.cli.extender_cmd import build_profile
 from gpuplane.kube.api import RestKubeApi, pod_path
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
-from gpuplane.kube.extender import Extender, ExtenderServer
+from gpuplane.kube.extender import PLACED_ELSEWHERE, Extender, ExtenderServer, scheduler_config
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.objects import (
     ASSIGNMENT,
@@ -44,6 +46,7 @@ from gpuplane.kube.objects import (
     encode_assignment,
     object_key,
 )
+from gpuplane.kube.standin import ExtenderClient, ExtenderConfig, StandInScheduler
 from gpuplane.kube.webhook import AdmissionPolicy, WebhookServer
 from gpuplane.model import Assignment, CardShare, default_catalog
 from gpuplane.node.allocation import AllocationSettings, KubeAssignmentSource
@@ -90,37 +93,29 @@ def whole(card: int) -> CardShare:
     return CardShare(card, 1000, A100_MIB, whole=True)
 
 
-class SchedulerClient:
-    """kube-scheduler's side of the extender: one keep-alive HTTP/1.1 connection, nodeCacheCapable bodies."""
+class SchedulerClient(ExtenderClient):
+    """kube-scheduler's side of one extender verb at a time: the stand-in's HTTP client, node names only."""
 
     def __init__(self, server: ExtenderServer) -> None:
-        self.prefix = server.prefix
-        self.conn = http.client.HTTPConnection(*server.address, timeout=WAIT_S)
+        super().__init__(ExtenderConfig.from_config(scheduler_config(server.url)["extenders"][0]), timeout_s=WAIT_S)
 
-    def post(self, verb: str, body: Mapping[str, Any]) -> Any:
-        self.conn.request("POST", f"{self.prefix}/{verb}", json.dumps(body).encode(),
-                          {"Content-Type": "application/json"})
-        response = self.conn.getresponse()
-        payload = json.loads(response.read())
-        assert response.status == 200, (verb, response.status, payload)
-        return payload
+    def names(self, verb: str, pod: Mapping[str, Any], names: list[str]) -> Any:
+        return self.post(verb, {"Pod": pod, "Nodes": None, "NodeNames": names})
 
-    def filter(self, pod: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
-        result: dict[str, Any] = self.post("filter", {"Pod": pod, "Nodes": None, "NodeNames": names})
+    def filter_names(self, pod: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+        result: dict[str, Any] = self.names("filter", pod, names)
         return result
 
-    def prioritize(self, pod: Mapping[str, Any], names: list[str]) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.post("prioritize", {"Pod": pod, "Nodes": None, "NodeNames": names})
+    def prioritize_names(self, pod: Mapping[str, Any], names: list[str]) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.names("prioritize", pod, names)
         return result
 
-    def bind(self, pod: Mapping[str, Any], node: str) -> str:
-        meta = pod["metadata"]
-        error: str = self.post("bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
-                                        "PodUID": meta["uid"], "Node": node})["Error"]
-        return error
 
-    def close(self) -> None:
-        self.conn.close()
+def gpu_units(node: dict[str, Any], units: int) -> dict[str, Any]:
+    """The node with `units` of `gpuplane.io/gpu` allocatable (kubelet's view of the device plugin's list)."""
+    for key in ("allocatable", "capacity"):
+        node["status"][key][RES_GPU] = str(units)
+    return node
 
 
 class World:
@@ -142,11 +137,13 @@ class World:
         self.extender: Extender | None = None
         self.http: ExtenderServer | None = None
         self.scheduler: SchedulerClient | None = None
+        self.standin: StandInScheduler | None = None
         self.backoffs: list[float] = []
         """The eviction back-offs the cluster port waited (injected: no real sleeping)."""
 
-        self.server.add_node(node_json(NODE_X, model=None))  # its inventory comes from the device plugin
-        self.server.add_node(node_json(NODE_Y, model="A100-40GB", cards=2))
+        # gpu-x's inventory comes from the device plugin
+        self.server.add_node(gpu_units(node_json(NODE_X, model=None), 2 * SPLIT))
+        self.server.add_node(gpu_units(node_json(NODE_Y, model="A100-40GB", cards=2), 2 * 10))
         self.server.add_node(node_json(CPU_NODE, model=None))
         resident = assignment_annotations(Assignment(NODE_X, (whole(0),)), 1.0)
         resident[BIND_PHASE] = PHASE_ALLOCATED
@@ -188,8 +185,11 @@ class World:
                                  uid_names=uid_names)
         self.http = ExtenderServer(self.extender, port=0).start()
         self.scheduler = SchedulerClient(self.http)
+        self.standin = StandInScheduler(self.client(), scheduler_config(self.http.url)).start()
 
     def stop_extender(self) -> None:
+        if self.standin is not None:
+            self.standin.close()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.http is not None:
@@ -199,6 +199,7 @@ class World:
         if self.cluster is not None:
             self.cluster.close()
         self.scheduler = self.http = self.extender = self.cluster = None
+        self.standin = None
 
     def close(self) -> None:
         self.stop_extender()
@@ -268,14 +269,13 @@ class World:
         return created
 
     # -- kube-scheduler ---------------------------------------------------------------------------------------
-    def schedule(self, pod: Mapping[str, Any], names: list[str] = NODES) -> str:
-        """One scheduling cycle as kube-scheduler runs it: filter, prioritize, the top node, bind."""
-        passed = self.ks.filter(pod, names)
-        assert passed["Error"] == "" and passed["NodeNames"], passed
-        scores = self.ks.prioritize(pod, passed["NodeNames"])
-        top = max(scores, key=lambda s: s["Score"])["Host"]
-        assert self.ks.bind(pod, top) == ""
-        return str(top)
+    def schedule(self, pod: Mapping[str, Any]) -> str:
+        """One scheduling cycle as kube-scheduler runs it (the stand-in): its filters, the extender's filter, the
+        scores if more than one node is left, bind through the extender."""
+        assert self.standin is not None
+        result = self.standin.schedule_one(self.stored(object_key(pod)))
+        assert result.node is not None, result
+        return result.node
 
     def units(self) -> list[str]:
         """The device IDs kubelet holds from the plugin's latest ListAndWatch list."""
@@ -321,12 +321,14 @@ def test_a_fractional_pod_goes_from_admission_to_its_containers_environment(worl
 
     pod = world.submit(gpu_pod("frac", cores=30, mem=10240))
     key = f"{NS}/frac"
-    passed = world.ks.filter(pod, NODES)
-    assert passed["Error"] == "" and passed["NodeNames"] == [NODE_X, NODE_Y]
-    assert set(passed["FailedNodes"]) | set(passed["FailedAndUnresolvableNodes"]) == {CPU_NODE}
-    # binpack: gpu-x already has a card in use (min-max onto 0…10: the fuller node 10, the other 0)
-    assert world.ks.prioritize(pod, passed["NodeNames"]) == [{"Host": NODE_X, "Score": 10},
-                                                              {"Host": NODE_Y, "Score": 0}]
+    passed = world.ks.filter_names(pod, NODES)
+    # binpack: gpu-x already has a card in use. Only gpuplane's pick passes; gpu-y fits too, and is reported
+    # unresolvable so kube-scheduler never preempts there; the CPU node has no cards.
+    assert passed["Error"] == "" and passed["NodeNames"] == [NODE_X]
+    assert passed["FailedAndUnresolvableNodes"][NODE_Y] == PLACED_ELSEWHERE.format(node=NODE_X)
+    assert set(passed["FailedNodes"]) | set(passed["FailedAndUnresolvableNodes"]) == {NODE_Y, CPU_NODE}
+    assert world.ks.prioritize_names(pod, [NODE_X, NODE_Y]) == [{"Host": NODE_X, "Score": 10},
+                                                                {"Host": NODE_Y, "Score": 0}]
     assert world.ks.bind(pod, NODE_X) == ""
 
     bound = world.stored(key)
@@ -376,7 +378,7 @@ def test_a_forged_assignment_is_refused_and_never_counted(world: World) -> None:
     assert int(state.idle_cards[state.node_index[NODE_X]]) == 1  # card 1 is still idle
     probe = gpu_pod("probe")
     probe["metadata"].update(uid="probe-uid", resourceVersion="1")
-    assert world.ks.filter(probe, [NODE_X])["NodeNames"] == [NODE_X]  # a whole card still fits there
+    assert world.ks.filter_names(probe, [NODE_X])["NodeNames"] == [NODE_X]  # a whole card still fits there
     # The device plugin does not hand it cards either: it is not bound to the node.
     assert world.plugin is not None and world.plugin.source.pending() == []
     # Bound through the scheduler (to gpu-y), the pod gets the cards the extender chose, not the forged ones.
@@ -390,7 +392,7 @@ def test_a_forged_assignment_is_refused_and_never_counted(world: World) -> None:
 def test_two_pods_racing_for_the_last_card_only_one_is_bound(world: World) -> None:
     pods = [world.submit(gpu_pod(name)) for name in ("a", "b")]
     for pod in pods:  # gpu-x has one free card: each pod alone fits
-        assert world.ks.filter(pod, [NODE_X])["NodeNames"] == [NODE_X]
+        assert world.ks.filter_names(pod, [NODE_X])["NodeNames"] == [NODE_X]
     assert world.http is not None
     other = SchedulerClient(world.http)  # kube-scheduler binds in parallel, each bind on its own connection
     start = threading.Barrier(2)
@@ -431,7 +433,7 @@ def test_restarted_extender_and_device_plugin_carry_on(world: World) -> None:
     probes = [gpu_pod("probe-frac", cores=50, mem=8192), gpu_pod("probe-whole")]
     for i, probe in enumerate(probes):  # as kube-scheduler sends them: with a uid and a resourceVersion
         probe["metadata"].update(uid=f"probe-uid-{i}", resourceVersion="1")
-    old_answers = [(world.ks.filter(p, NODES), world.ks.prioritize(p, NODES)) for p in probes]
+    old_answers = [(world.ks.filter_names(p, NODES), world.ks.prioritize_names(p, NODES)) for p in probes]
     old_fingerprint = world.core.scheduler.state.fingerprint()
     assert any(score["Score"] for _, scores in old_answers for score in scores)
 
@@ -444,7 +446,7 @@ def test_restarted_extender_and_device_plugin_carry_on(world: World) -> None:
     assert world.kubelet.next_list() == first  # the new plugin's ListAndWatch: the same units, all Healthy
 
     assert world.core.scheduler.state.fingerprint() == old_fingerprint
-    assert [(world.ks.filter(p, NODES), world.ks.prioritize(p, NODES)) for p in probes] == old_answers
+    assert [(world.ks.filter_names(p, NODES), world.ks.prioritize_names(p, NODES)) for p in probes] == old_answers
     # frac was bound before the restart and never allocated: the new plugin still hands it its card
     assert world.stored(f"{NS}/frac")["metadata"]["annotations"][BIND_PHASE] == PHASE_ALLOCATING
     got = envs(world.kubelet.allocate([world.units()[:1]]))
@@ -461,7 +463,7 @@ def test_eviction_held_by_a_disruption_budget_frees_cards_only_when_the_pod_is_g
     victim_key = f"{NS}/victim"
     world.until_seen(victim_key, PodPhase.RUNNING)
     urgent = world.submit(gpu_pod("urgent"))
-    assert NODE_X in world.ks.filter(urgent, [NODE_X])["FailedNodes"]  # preemption may help
+    assert NODE_X in world.ks.filter_names(urgent, [NODE_X])["FailedNodes"]  # preemption may help
 
     # kube-scheduler asks which victims the extender needs gone: one card's worth, not both pods
     resident_uid = world.stored(f"{NS}/resident")["metadata"]["uid"]
@@ -478,18 +480,18 @@ def test_eviction_held_by_a_disruption_budget_frees_cards_only_when_the_pod_is_g
     stored = world.stored(victim_key)
     assert "deletionTimestamp" not in stored["metadata"]
     assert stored["metadata"]["annotations"][EVICTION_REASON] == "preempted by ml/urgent"
-    assert NODE_X in world.ks.filter(urgent, [NODE_X])["FailedNodes"]
+    assert NODE_X in world.ks.filter_names(urgent, [NODE_X])["FailedNodes"]
 
     world.server.unblock_eviction(victim_key)
     assert world.port.evict(victim_key, grace_s=5).ok
     assert "deletionTimestamp" in world.stored(victim_key)["metadata"]
     world.until_seen(victim_key, PodPhase.TERMINATING)
-    assert NODE_X in world.ks.filter(urgent, [NODE_X])["FailedNodes"]  # terminating: the card is still held
+    assert NODE_X in world.ks.filter_names(urgent, [NODE_X])["FailedNodes"]  # terminating: the card is still held
 
     world.server.finish_deletion(victim_key)
     world.until_seen(victim_key, None)
-    assert world.ks.filter(urgent, [NODE_X])["NodeNames"] == [NODE_X]
-    assert world.schedule(urgent, [NODE_X]) == NODE_X
+    assert world.ks.filter_names(urgent, [NODE_X])["NodeNames"] == [NODE_X]
+    assert world.schedule(urgent) == NODE_X  # binpack: the fuller node, the victim's card
     taken = decode_assignment(world.stored(f"{NS}/urgent")["metadata"]["annotations"][ASSIGNMENT])
     assert (taken.node, taken.card_indexes) == (NODE_X, (1,))  # the victim's card
 
@@ -508,7 +510,7 @@ def test_a_node_whose_inventory_lands_after_the_extender_started_gets_its_cards_
     eventually(cards_in_view(2), f"node {late}'s inventory in the extender's view")
     probe = gpu_pod("probe")
     probe["metadata"].update(uid="probe-uid", resourceVersion="1")
-    assert world.ks.filter(probe, [late])["NodeNames"] == [late]
+    assert world.ks.filter_names(probe, [late])["NodeNames"] == [late]
     # and the view still follows the API server afterwards
     world.server.add_pod({**gpu_pod("later"), "status": {"phase": "Pending"}})
     world.until_seen(f"{NS}/later")

@@ -71,6 +71,10 @@ def build_profile(node_policy: str, card_policy: str | None, scope: str = "workl
 
 
 def register(app: typer.Typer) -> None:
+    for group in app.registered_groups:  # `gpuplane experiment extender-fill`, in the experiment group
+        if group.name == "experiment" and group.typer_instance is not None:
+            register_experiment(group.typer_instance)
+
     @app.command("extender")
     def extender(
         port: Annotated[int, typer.Option(help="TCP port to listen on")] = DEFAULT_PORT,
@@ -416,3 +420,102 @@ def format_load(result: LoadResult) -> str:
     lines.extend(f"  error: {sample}" for sample in result.error_samples)
     return "\n".join(lines)
 
+
+# ------------------------------------------------------------------ the fill replay through the extender
+@dataclass(frozen=True, slots=True)
+class ExtenderFillFigures:
+    """`gpuplane experiment extender-fill`: the simulator's fill and the same pods through the extender."""
+
+    trace: str
+    node_policy: str
+    seed: int
+    pods: int
+    """Pods replayed (the first `pods` of the tuned workload)."""
+    reached_100: bool
+    """Whether those pods bring the arrived workload to 100 % of GPU capacity (else `*_at_100` is after them)."""
+    simulator_unallocated_pct_at_100: float
+    simulator_unallocated_pct_after: float
+    extender: dict[str, dict[str, Any]]
+    """Per filter-answers mode: unallocated % at 100 % arrived and after the pods, the difference to the
+    simulator's in points, pods placed on another node or cards than the simulator's, and the wall time."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def extender_fill(trace: str = "default", node_policy: str = "fgd", card_policy: str | None = None, *,
+                  seed: int = 42, pods: int | None = None, modes: Sequence[FilterAnswers] = tuple(FilterAnswers),
+                  split: int = 10, progress: Any = None) -> ExtenderFillFigures:
+    """Fill-replay `trace` in the simulator, then the first `pods` of the same tuned workload through the local API
+    server, `KubeCluster`, the extender over HTTP and the kube-scheduler stand-in, once per filter-answers mode."""
+    from gpuplane.kube.standin import fill_through_extender
+    from gpuplane.scheduler.plugins.frag import TypicalPods
+    from gpuplane.sim.replay import run_fill, tune_workload
+    from gpuplane.sim.trace import bundled_path, load_nodes, load_pods, resolve_trace
+
+    catalog = default_catalog()
+    nodes = load_nodes(bundled_path("nodes"), catalog)
+    requests = [p.request for p in load_pods(resolve_trace(trace), catalog)]
+    typical = TypicalPods.from_workload(requests)
+
+    def profile() -> Profile:
+        config = policy_config(node_policy, card_policy, "workload", None, seed, typical=typical)
+        try:
+            return default_registry().build(config)
+        except PolicyError as exc:
+            raise GpuplaneError(f"--node-policy/--card-policy: {exc}") from None
+
+    simulated = run_fill(catalog, nodes, requests, profile(), seed=seed, trace=trace, record_placements=True)
+    capacity = sum(spec.gpus for spec in nodes) * 1000
+    workload = tune_workload(requests, capacity, seed)
+    count = len(workload) if pods is None else max(1, min(pods, len(workload)))
+    workload = workload[:count]
+    reached = bool(simulated.arrived_pct[count - 1] >= 100.0)
+    sim_at_100 = simulated.unallocated_at(100.0) if reached else 100.0 - float(simulated.allocation_pct[count - 1])
+    sim_after = 100.0 - float(simulated.allocation_pct[count - 1])
+    figures: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        result = fill_through_extender(catalog, nodes, workload, profile(), seed=seed, filter_answers=mode,
+                                       split=split, progress=progress)
+        at_100 = result.unallocated_at(100.0) if reached else result.unallocated_at_end
+        differences = sum(1 for a, b in zip(simulated.placements, result.placements, strict=False)
+                          if (a.node, tuple(a.cards)) != (b.node, b.cards))
+        figures[mode.value] = {
+            "unallocated_pct_at_100": round(at_100, 3), "unallocated_pct_after": round(result.unallocated_at_end, 3),
+            "points_from_simulator_at_100": round(at_100 - sim_at_100, 3), "placed": result.placed,
+            "differences": differences, "wall_s": round(result.wall_s, 1)}
+    return ExtenderFillFigures(trace, node_policy, seed, count, reached, round(sim_at_100, 3), round(sim_after, 3),
+                               figures)
+
+
+def register_experiment(experiment: typer.Typer) -> None:
+    @experiment.command("extender-fill")
+    def extender_fill_cmd(
+        trace: Annotated[str, typer.Option(help="default, gpushare40, gpushare100 or a pod CSV")] = "default",
+        node_policy: Annotated[str, typer.Option("--node-policy", help="gpuplane's node policy")] = "fgd",
+        card_policy: Annotated[str | None, typer.Option(help="card policy (default: the node policy's own)")]
+            = None,
+        seed: Annotated[int, typer.Option(help="seed of the tuning and of every tie-break")] = 42,
+        pods: Annotated[int | None, typer.Option(help="replay only the first N pods of the tuned workload")] = None,
+        filter_answers: Annotated[str, typer.Option(
+            "--filter-answers", help="chosen, feasible or both")] = "both",
+        split: Annotated[int, typer.Option(help="gpuplane.io/gpu units each card advertises")] = 10,
+        as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    ) -> None:
+        """The fill replay through kube-scheduler's extender protocol (a faithful stand-in) beside the simulator."""
+        modes = tuple(FilterAnswers) if filter_answers == "both" else (parse_filter_answers(filter_answers),)
+        if split < 1:
+            fail(f"--split: must be at least 1, got {split}")
+        try:
+            figures = extender_fill(trace, node_policy, card_policy, seed=seed, pods=pods, modes=modes, split=split)
+        except GpuplaneError as exc:
+            fail(str(exc))
+        if as_json:
+            typer.echo(json.dumps(figures.to_json(), indent=2))
+            return
+        typer.echo(f"{figures.trace}, {figures.node_policy}, seed {figures.seed}, {figures.pods} pods: simulator "
+                   f"{figures.simulator_unallocated_pct_at_100:.2f} % unallocated at 100 % arrived")
+        for mode, row in figures.extender.items():
+            typer.echo(f"  extender, filter answers {mode:<8} {row['unallocated_pct_at_100']:.2f} % "
+                       f"({row['points_from_simulator_at_100']:+.2f} points; {row['differences']} pods placed "
+                       f"elsewhere; {row['wall_s']:g} s)")
