@@ -51,11 +51,16 @@ Doc = dict[str, Any]
 
 RDMA = DEPLOY / "rdma"
 """Sample RDMA networks: their own kustomization, custom resources of other projects (tests/test_kube_rdma.py)."""
+SCHEDULER_MODE = DEPLOY / "modes" / "scheduler"
+"""Scheduler mode's scheduler pod: the component deploy/kustomization.yaml names instead of modes/extender (which
+brings deploy/scheduler/). The objects below are the default install (extender mode); scheduler mode's are
+checked at the end of this file."""
+EXTENDER_MODE = DEPLOY / "scheduler"
 
 
-def _yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
-                  and RDMA not in p.parents)
+def _yaml_files(root: Path = DEPLOY) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
+                  and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents))
 
 
 def _load(path: Path) -> list[Doc]:
@@ -75,8 +80,8 @@ def _id(path: Path, doc: Doc) -> str:
     return f"{path.relative_to(DEPLOY)}:{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
 
 
-def _of_kind(*kinds: str) -> list[Doc]:
-    return [d for _, d in OBJECTS if d.get("kind") in kinds]
+def _of_kind(*kinds: str, objects: list[tuple[Path, Doc]] | None = None) -> list[Doc]:
+    return [d for _, d in (OBJECTS if objects is None else objects) if d.get("kind") in kinds]
 
 
 def _one(kind: str, name: str) -> Doc:
@@ -243,7 +248,7 @@ def _crd_resources() -> tuple[set[str], set[str]]:
     return plurals, with_status
 
 
-OPERATOR_CRS = {"gpupools", "tidalpolicies", "colocationpolicies"}
+OPERATOR_CRS = {"gpupools", "tidalpolicies", "colocationpolicies", "queues"}
 """The operator's custom resources (deploy/crds, helper 'operator'); checked against the CRDs when present."""
 
 REQUIRED: dict[str, set[Grant]] = {
@@ -292,13 +297,14 @@ BUILTIN_ROLES: dict[str, set[tuple[str, str, str]]] = {
 NO_API = {"gpuplane-webhook", "gpuplane-scaler"}
 
 
-def _rbac() -> tuple[dict[str, set[Grant]], dict[str, set[tuple[str, str, str]]]]:
+def _rbac(objects: list[tuple[Path, Doc]] | None = None
+          ) -> tuple[dict[str, set[Grant]], dict[str, set[tuple[str, str, str]]]]:
     """Per ServiceAccount: the grants of roles defined under deploy/, and the roles bound that are not."""
     roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
-             for d in _of_kind("ClusterRole", "Role")}
+             for d in _of_kind("ClusterRole", "Role", objects=objects)}
     grants: dict[str, set[Grant]] = {}
     builtin: dict[str, set[tuple[str, str, str]]] = {}
-    for binding in _of_kind("ClusterRoleBinding", "RoleBinding"):
+    for binding in _of_kind("ClusterRoleBinding", "RoleBinding", objects=objects):
         ref = binding["roleRef"]
         binding_ns = binding["metadata"].get("namespace")
         scope = "cluster" if binding["kind"] == "ClusterRoleBinding" else binding_ns
@@ -845,7 +851,8 @@ def test_priority_classes_are_the_models_defaults() -> None:
 def _listed(kustomization: Path) -> set[Path]:
     """The files a kustomization reaches, following directories that have their own kustomization."""
     files: set[Path] = set()
-    for entry in yaml.safe_load(kustomization.read_text(encoding="utf-8"))["resources"]:
+    doc = yaml.safe_load(kustomization.read_text(encoding="utf-8"))
+    for entry in [*doc["resources"], *doc.get("components", [])]:
         target = (kustomization.parent / entry).resolve()
         assert target.exists(), f"{kustomization}: {entry} does not exist"
         if target.is_dir():
@@ -870,3 +877,132 @@ def test_kustomize_renders_every_object() -> None:
     assert rendered.returncode == 0, rendered.stderr
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
     assert sorted(_id(DEPLOY, d) for d in docs) == sorted(_id(DEPLOY, d) for _, d in OBJECTS)
+
+
+# ------------------------------------------------------------------ scheduler mode (deploy/modes/scheduler)
+def _scheduler_mode_objects() -> list[tuple[Path, Doc]]:
+    """The install with modes/scheduler in place of modes/extender: the default's objects without extender
+    mode's scheduler pod (deploy/scheduler/), plus scheduler mode's."""
+    kept = [(p, d) for p, d in OBJECTS if EXTENDER_MODE not in p.parents]
+    return kept + [(p, d) for p in _yaml_files(SCHEDULER_MODE) if p.name not in NOT_API_OBJECTS for d in _load(p)]
+
+
+SCHEDULER_MODE_OBJECTS = _scheduler_mode_objects()
+SCHEDULER_LEASE = ("gpuplane-system", "gpuplane-scheduler")
+# gpuplane.kube.scheduler_mode over KubeCluster: the pod and node caches (a pod read again by name when a refused
+# bind's assignment is taken back), the assignment and eviction-reason patches, the Binding, evictions (the API
+# server applies the disruption budgets), pods/status (PodScheduled, nominatedNodeName, a timed-out gang),
+# events.k8s.io events, the informers of gpuplane.kube.declarations, and its own Lease (GET, POST, PUT). No
+# built-in role: it is not a kube-scheduler.
+SCHEDULER_MODE_REQUIRED: set[Grant] = _POD_CACHE | {
+    ("patch", "", "pods", "cluster", None),
+    ("create", "", "pods/binding", "cluster", None),
+    ("create", "", "pods/eviction", "cluster", None),
+    ("patch", "", "pods/status", "cluster", None),
+    ("create", "events.k8s.io", "events", "cluster", None),
+    *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch") for r in ("queues", "gpupools")},
+    *{(v, "scheduling.x-k8s.io", "podgroups", "cluster", None) for v in ("get", "list", "watch")},
+} | _lease(*SCHEDULER_LEASE)
+
+
+def _scheduler_mode_deployment() -> Doc:
+    [deployment] = [d for d in _of_kind("Deployment", objects=SCHEDULER_MODE_OBJECTS)
+                    if d["metadata"]["name"] == "gpuplane-scheduler"]
+    return deployment
+
+
+@pytest.mark.parametrize(("path", "doc"), [(p, d) for p, d in SCHEDULER_MODE_OBJECTS if SCHEDULER_MODE in p.parents],
+                         ids=[_id(p, d) for p, d in SCHEDULER_MODE_OBJECTS if SCHEDULER_MODE in p.parents])
+def test_scheduler_modes_objects_validate_against_the_kubernetes_schema(path: Path, doc: Doc) -> None:
+    assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+def test_scheduler_mode_grants_exactly_what_gpuplane_scheduler_uses_and_nothing_else_changes() -> None:
+    grants, builtin = _rbac(SCHEDULER_MODE_OBJECTS)
+    got = grants["gpuplane-scheduler"]
+    assert SCHEDULER_MODE_REQUIRED - got == set(), f"lacks {sorted(SCHEDULER_MODE_REQUIRED - got, key=str)}"
+    extra = got - SCHEDULER_MODE_REQUIRED
+    assert extra == set(), f"more than it uses: {sorted(extra, key=str)}"
+    assert "gpuplane-scheduler" not in builtin  # none of kube-scheduler's roles
+    default, _ = _rbac()
+    assert {sa: g for sa, g in grants.items() if sa != "gpuplane-scheduler"} == \
+           {sa: g for sa, g in default.items() if sa != "gpuplane-scheduler"}
+
+
+def test_scheduler_modes_informers_are_the_ones_it_may_list_and_watch() -> None:
+    # Derived from the code: every informer gpuplane.kube.declarations opens is on a granted (group, resource).
+    from gpuplane.kube.declarations import Declarations
+    from gpuplane.model import default_catalog
+
+    declarations = Declarations(None, default_catalog())  # type: ignore[arg-type]  # no call before start()
+    for informer in declarations.informers.values():
+        parts = informer.path.strip("/").split("/")
+        group, resource = ("", parts[2]) if parts[0] == "api" else (parts[1], parts[3])
+        for verb in ("list", "watch"):
+            assert (verb, group, resource, "cluster", None) in SCHEDULER_MODE_REQUIRED, informer.path
+    src = DEPLOY.parent / "src" / "gpuplane" / "kube"
+    mode = (src / "scheduler_mode.py").read_text(encoding="utf-8")
+    assert 'pod_path(namespace, name, "status")' in mode  # PodScheduled / nominatedNodeName → pods/status patch
+    assert "/events" in mode and "api.create(" in mode      # events.k8s.io events → create
+
+
+def test_scheduler_mode_runs_gpuplane_scheduler_on_its_lease_with_two_replicas() -> None:
+    deployment = _scheduler_mode_deployment()
+    assert deployment["spec"]["replicas"] == 2
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "gpuplane-scheduler"
+    [container] = spec["containers"]
+    assert container["image"] == IMAGE and container["command"] == ["gpuplane"]
+    subcommand, *flags = container["args"]
+    assert subcommand == "scheduler"
+    # Parsed exactly as the CLI will: an unknown flag or a value of the wrong type fails here.
+    _CLI.commands["scheduler"].make_context("gpuplane scheduler", list(flags))  # type: ignore[attr-defined]
+    assert "--leader-elect" in flags
+    lease = (flags[flags.index("--lease-namespace") + 1], flags[flags.index("--lease-name") + 1])
+    assert lease == SCHEDULER_LEASE
+    from gpuplane.kube.scheduler_mode import DEFAULT_SCHEDULER_NAME
+
+    assert flags[flags.index("--scheduler-name") + 1] == DEFAULT_SCHEDULER_NAME
+    assert container["livenessProbe"]["httpGet"]["port"] in _ports(container)
+    assert container["readinessProbe"]["httpGet"]["port"] in _ports(container)
+    assert int(flags[flags.index("--health-port") + 1]) in _ports(container)
+    assert {e["name"] for e in container["env"]} == {"POD_NAME"}  # the Lease holder identity
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and "memory" in container["resources"]["limits"]
+    sc = {**spec["securityContext"], **container["securityContext"]}
+    assert sc["runAsNonRoot"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_scheduler_mode_leaves_out_every_piece_of_extender_mode() -> None:
+    names = {(d["kind"], d["metadata"]["name"]) for _, d in SCHEDULER_MODE_OBJECTS}
+    assert ("ConfigMap", "gpuplane-scheduler-config") not in names
+    images = {c["image"] for d in _of_kind("Deployment", objects=SCHEDULER_MODE_OBJECTS) for c in _containers(d)}
+    assert not any("kube-scheduler" in i for i in images)
+    accounts = {d["metadata"]["name"] for d in _of_kind("ServiceAccount", objects=SCHEDULER_MODE_OBJECTS)}
+    assert accounts == {d["metadata"]["name"] for d in _of_kind("ServiceAccount")}  # one gpuplane-scheduler
+
+
+def test_the_default_install_names_exactly_one_mode() -> None:
+    root = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert root["components"] == ["modes/extender"]
+    for mode in ("extender", "scheduler"):
+        component = yaml.safe_load((DEPLOY / "modes" / mode / "kustomization.yaml").read_text(encoding="utf-8"))
+        assert component["kind"] == "Component"
+    assert _listed(SCHEDULER_MODE / "kustomization.yaml") == {
+        p.resolve() for p in _yaml_files(SCHEDULER_MODE) if p.name not in NOT_API_OBJECTS}
+
+
+def test_kustomize_renders_scheduler_mode(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    root = copy / "kustomization.yaml"
+    root.write_text(root.read_text(encoding="utf-8").replace("  - modes/extender\n", "  - modes/scheduler\n"),
+                    encoding="utf-8")
+    rendered = subprocess.run([kubectl, "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+    key = lambda d: (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, docs)) == sorted(key(d) for _, d in SCHEDULER_MODE_OBJECTS)

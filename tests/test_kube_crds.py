@@ -23,6 +23,7 @@ from gpuplane.kube.crds import (
     COLOCATION_POLICY,
     GPU_POOL,
     KINDS,
+    QUEUE,
     TIDAL_POLICY,
     ColocationPolicySpec,
     GpuPoolSpec,
@@ -165,7 +166,7 @@ def test_the_crd_validates_against_the_kubernetes_schemas(kind: Kind) -> None:
     version = crd(kind)["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]][-2:] in (["Valid", "Age"], ["Applied", "Age"])
-    assert crd(kind)["spec"]["scope"] == ("Cluster" if kind is GPU_POOL else "Namespaced")
+    assert crd(kind)["spec"]["scope"] == ("Cluster" if kind in (GPU_POOL, QUEUE) else "Namespaced")
 
 
 def test_the_schema_carries_bounds_enums_and_patterns() -> None:
@@ -361,11 +362,20 @@ def colocation_objects(draw: st.DrawFn) -> dict[str, Any]:
     return obj(COLOCATION_POLICY, draw(st.dictionaries(st.sampled_from(keys), NUMBERS | st.booleans(), max_size=5)))
 
 
+@st.composite
+def queue_objects(draw: st.DrawFn) -> dict[str, Any]:
+    share = st.fixed_dictionaries({}, optional={"minGpus": NUMBERS, "maxGpus": NUMBERS})
+    spec = draw(st.fixed_dictionaries({}, optional={
+        "minGpus": NUMBERS, "maxGpus": NUMBERS, "borrow": st.booleans() | st.just(1), "lend": st.booleans(),
+        "models": st.dictionaries(st.sampled_from(["H100", "A100-80GB", "nope", ""]), share, max_size=2)}))
+    return obj(QUEUE, spec, namespace=None)
+
+
 ACCEPTED: dict[str, int] = {}
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(tidal_objects(), pool_objects(), colocation_objects()))
+@given(st.one_of(tidal_objects(), pool_objects(), colocation_objects(), queue_objects()))
 def test_whatever_pydantic_accepts_the_schema_accepts(resource: dict[str, Any]) -> None:
     if pydantic_accepts(resource):
         ACCEPTED[resource["kind"]] = ACCEPTED.get(resource["kind"], 0) + 1

@@ -5,6 +5,8 @@
 - `TidalPolicy` (namespaced): the tidal controller's policy (`gpuplane.model.tidal.TidalPolicy`, which the
   spec model extends, so the same validators run) plus how each service maps onto its workloads.
 - `ColocationPolicy` (namespaced): the node co-location guard's thresholds for matching nodes.
+- `Queue` (cluster-scoped): a tenant's GPU quota (guaranteed minimum, maximum, per card model, borrowing),
+  which pods name with the label `gpuplane.io/queue` (`gpuplane.model.quota.QueueQuota`).
 
 Each spec is a pydantic model; its JSON schema becomes the CRD's structural `openAPIV3Schema` (`crd`), and
 `write_crds` writes the CRDs to `deploy/crds/<plural>.gpuplane.io.yaml`. The schema carries what a schema
@@ -31,6 +33,7 @@ from pydantic.alias_generators import to_camel
 from gpuplane.controllers.colocation import GuardSettings
 from gpuplane.controllers.tidal import DrainOrder, ServiceBinding
 from gpuplane.model import Catalog, CatalogError, GpuplaneError, MigMode
+from gpuplane.model.quota import ModelQuota, QueueQuota, QuotaError
 from gpuplane.model.tidal import TidalPolicy, TidalService, TidalWindow
 
 GROUP = "gpuplane.io"
@@ -178,6 +181,70 @@ class ColocationPolicySpec(BaseModel):
                                    description="How long a growth observation counts.")
 
 
+# ------------------------------------------------------------------ Queue
+class QueueModelSpec(BaseModel):
+    model_config = _CONFIG
+
+    min_gpus: float = Field(default=0.0, ge=0, description="Cards of this model guaranteed to the queue.")
+    max_gpus: float | None = Field(default=None, ge=0,
+                                   description="Cards of this model the queue's pods may hold at most (unset: no cap).")
+
+
+class QueueSpec(BaseModel):
+    """A tenant's GPU quota; pods name the queue with the label gpuplane.io/queue."""
+
+    model_config = _CONFIG
+
+    min_gpus: float | None = Field(default=None, ge=0, description=(
+        "Cards guaranteed to the queue, reclaimed from borrowers when it needs them (unset: the sum of the "
+        "models' minGpus)."))
+    max_gpus: float | None = Field(default=None, ge=0, description="Cards the queue's pods may hold at most (unset: "
+                                                                     "no cap).")
+    models: dict[str, QueueModelSpec] = Field(
+        default_factory=dict, description="Per card model (catalog name or alias, e.g. H100): its own minimum and "
+                                          "maximum.")
+    borrow: bool = Field(default=True, description=(
+        "Whether the queue may run beyond its minimum, up to its maximum, on cards others leave idle."))
+    lend: bool = Field(default=True, description=(
+        "Whether other pods may use the queue's idle guaranteed share (reclaimed by preemption when the queue "
+        "needs it); false keeps it free."))
+
+    def quota(self, name: str, catalog: Catalog | None = None, *, label: str = "") -> QueueQuota:
+        """The scheduler's quota; `ResourceError` names the field (unknown models with a `catalog`)."""
+        label = label or f"Queue/{name}"
+        shares: list[ModelQuota] = []
+        for model, share in self.models.items():
+            field = f"spec.models.{model}"
+            if not model:
+                raise ResourceError(label, "spec.models", "a card model name must not be empty")
+            canonical = model
+            if catalog is not None:
+                try:
+                    canonical = catalog.canonical(model)
+                except CatalogError as exc:
+                    raise ResourceError(label, field, str(exc)) from None
+            if share.max_gpus is not None and share.min_gpus > share.max_gpus:
+                raise ResourceError(label, f"{field}.minGpus",
+                                    f"{share.min_gpus:g} is above maxGpus {share.max_gpus:g}")
+            if self.max_gpus is not None and share.min_gpus > self.max_gpus:
+                raise ResourceError(label, f"{field}.minGpus",
+                                    f"{share.min_gpus:g} is above the queue's maxGpus {self.max_gpus:g}")
+            if any(s.model == canonical for s in shares):
+                raise ResourceError(label, field, f"names the model {canonical} a second time")
+            shares.append(ModelQuota(canonical, share.min_gpus, share.max_gpus))
+        floor = sum(s.min_gpus for s in shares)
+        minimum = floor if self.min_gpus is None else self.min_gpus
+        if minimum < floor:
+            raise ResourceError(label, "spec.minGpus",
+                                f"{minimum:g} is below the sum of the models' minGpus ({floor:g})")
+        if self.max_gpus is not None and minimum > self.max_gpus:
+            raise ResourceError(label, "spec.minGpus", f"{minimum:g} is above maxGpus {self.max_gpus:g}")
+        try:
+            return QueueQuota(name, minimum, self.max_gpus, tuple(shares), self.borrow, self.lend)
+        except QuotaError as exc:  # every rule above is checked first; this names what is left
+            raise ResourceError(label, "spec", str(exc)) from None
+
+
 # ------------------------------------------------------------------ status
 class Condition(BaseModel):
     model_config = _CONFIG
@@ -254,7 +321,10 @@ TIDAL_POLICY = Kind("TidalPolicy", "tidalpolicies", "Namespaced", TidalPolicySpe
 COLOCATION_POLICY = Kind("ColocationPolicy", "colocationpolicies", "Namespaced", ColocationPolicySpec, ("coloc",), (
     Column("MemoryGuard", ".spec.memoryGuard", "boolean"), Column("Nodes", ".status.nodes", "integer"),
     _VALID_COLUMN, _AGE_COLUMN))
-KINDS: tuple[Kind, ...] = (GPU_POOL, TIDAL_POLICY, COLOCATION_POLICY)
+QUEUE = Kind("Queue", "queues", "Cluster", QueueSpec, ("gq",), (
+    Column("Min", ".spec.minGpus", "number"), Column("Max", ".spec.maxGpus", "number"),
+    Column("Borrow", ".spec.borrow", "boolean"), Column("Lend", ".spec.lend", "boolean"), _VALID_COLUMN, _AGE_COLUMN))
+KINDS: tuple[Kind, ...] = (GPU_POOL, TIDAL_POLICY, COLOCATION_POLICY, QUEUE)
 BY_KIND: Mapping[str, Kind] = {k.kind: k for k in KINDS}
 
 
@@ -406,7 +476,8 @@ def _error(exc: ValidationError, prefix: Sequence[str | int]) -> tuple[str, str]
 def parse_resource(obj: Mapping[str, Any], catalog: Catalog | None = None) -> Resource:
     """Validate a custom resource object; raises `ResourceError` naming the field path on the first problem.
 
-    With a `catalog`, a GpuPool's card models must be known to it."""
+    With a `catalog`, a GpuPool's and a Queue's card models must be known to it; a Queue's cross-field rules
+    (a model's minimum above its maximum, a minimum below the models' sum) are checked here too."""
     kind = BY_KIND.get(str(obj.get("kind")))
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
     assert isinstance(meta, Mapping)
@@ -433,6 +504,8 @@ def parse_resource(obj: Mapping[str, Any], catalog: Catalog | None = None) -> Re
                 catalog.canonical(model)
             except CatalogError as exc:
                 raise ResourceError(label, f"spec.models[{i}]", str(exc)) from None
+    if isinstance(spec, QueueSpec):
+        spec.quota(name, catalog, label=label)
     generation = meta.get("generation")
     return Resource(kind, str(namespace) if namespace else None, name,
                     generation if isinstance(generation, int) else 0, spec)

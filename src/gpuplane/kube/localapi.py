@@ -3,7 +3,8 @@
 The tests, the parity experiment and `gpuplane bench kube` run against it (no API server can run here).
 
 Only what gpuplane uses: pods (with binding, eviction and status subresources), nodes, leases, events.k8s.io/v1
-events, deployments, replica sets and stateful sets (with their scale subresource), and gpuplane.io/v1alpha1
+events, deployments, replica sets and stateful sets (with their scale subresource), scheduler-plugins'
+PodGroups (scheduling.x-k8s.io/v1alpha1), and gpuplane.io/v1alpha1
 custom resources (namespaced or cluster-scoped; their status subresource assumed enabled). One global integer
 resourceVersion counter; every write is recorded as a watch event.
 
@@ -52,10 +53,12 @@ BUILTIN: dict[tuple[str, str], tuple[str, str]] = {
     ("apps", "replicasets"): ("ReplicaSet", "apps/v1"),
     ("apps", "statefulsets"): ("StatefulSet", "apps/v1"),
     ("events.k8s.io", "events"): ("Event", "events.k8s.io/v1"),
+    ("scheduling.x-k8s.io", "podgroups"): ("PodGroup", "scheduling.x-k8s.io/v1alpha1"),
 }
 SCALABLE = frozenset({"deployments", "replicasets", "statefulsets"})
 KIND_ALIASES = {"pod": "pods", "node": "nodes", "lease": "leases", "deployment": "deployments",
-                "replicaset": "replicasets", "statefulset": "statefulsets", "event": "events"}
+                "replicaset": "replicasets", "statefulset": "statefulsets", "event": "events",
+                "podgroup": "podgroups"}
 CUSTOM_GROUP = "gpuplane.io"
 
 

@@ -47,6 +47,7 @@ from gpuplane.kube.crds import (
     ColocationPolicySpec,
     GpuPoolSpec,
     Kind,
+    QueueSpec,
     Resource,
     ResourceError,
     TidalPolicySpec,
@@ -238,6 +239,8 @@ class Operator:
         elif isinstance(resource.spec, ColocationPolicySpec):
             nodes = self._nodes_matching(resource.spec.node_selector)
             self._write_status(kind, obj, {"observedGeneration": generation, "nodes": nodes}, [valid])
+        elif isinstance(resource.spec, QueueSpec):  # applied by gpuplane-scheduler (gpuplane.kube.declarations)
+            self._write_status(kind, obj, {"observedGeneration": generation}, [valid])
         return resource
 
     def _apply_pools(self, pools: Sequence[tuple[Resource, GpuPoolSpec, JsonObject]]) -> None:
