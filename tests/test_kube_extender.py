@@ -763,6 +763,21 @@ def test_chosen_filter_passes_only_gpuplanes_pick_and_says_where_the_others_stan
     assert extender.filter_answers is FilterAnswers.CHOSEN
 
 
+def test_constraints_kube_scheduler_applies_itself_do_not_refuse_the_pod() -> None:
+    # Inter-pod anti-affinity and a resource gpuplane does not model: the scheduler mode refuses such a pod, but
+    # in extender mode kube-scheduler's InterPodAffinity and NodeResourcesFit have already filtered the nodes sent.
+    world = world_of(node("n1").gpus(2, model="A100-40GB").obj())
+    pod = sample_pod("p", cards=1)
+    pod["spec"]["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "kubernetes.io/hostname"}]}}
+    pod["spec"]["containers"][0]["resources"]["limits"]["example.com/fpga"] = "1"
+    pod["spec"]["containers"][0]["resources"]["requests"]["example.com/fpga"] = "1"
+    assert pod_request(pod, CATALOG).unsupported  # what the scheduler mode would refuse
+    with serving(world, answers=FilterAnswers.CHOSEN) as (_, client):
+        _, body = client.post("filter", args(pod, ["n1"]))
+    assert body["NodeNames"] == ["n1"] and body["Error"] == ""
+
+
 def test_chosen_filter_with_no_fit_keeps_every_reason_so_preemption_can_run() -> None:
     world = world_of(node("full").gpus(1, model="A100-40GB").obj(), node("t4").gpus(1, model="T4").obj())
     hog = sample_pod("hog", cards=1)

@@ -42,6 +42,10 @@ Answers, per verb:
   cannot name is passed through as sent (we cannot judge it). `NumPDBViolations` is passed through (an upper
   bound once trimmed). A body we cannot read: HTTP 400 with `{"Error": …}` (this candidate set fails).
 
+Constraints the core does not implement (`PodRequest.unsupported`: inter-pod affinity, topology spread, volumes,
+host ports, other resources) do not refuse a pod here: kube-scheduler's own plugins have already applied them to
+the nodes it sends.
+
 Anything else: 404 (unknown path), 405 (not POST), 411 (no Content-Length), 413 (body over the limit), 400 (a
 bad Content-Length). A bug inside a verb is logged and answered 500 with `{"Error": …}`, never a traceback.
 Go decodes JSON keys case-insensitively (the last matching key wins); we read them the same way and always
@@ -64,7 +68,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -526,6 +530,10 @@ class Extender:
                 request: PodRequest = cached[1]
                 return request
         request = pod_request(pod, self.catalog)
+        if request.unsupported:
+            # kube-scheduler has already applied these (inter-pod affinity, topology spread, volumes, host ports,
+            # other resources) to the nodes it sends: gpuplane decides among them on the rest.
+            request = replace(request, unsupported=())
         if isinstance(uid, str) and uid:
             self._requests.put(uid, (version, request))
             self._names.put(uid, request.name)
