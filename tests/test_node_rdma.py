@@ -5,7 +5,11 @@ the fake kubelet)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,13 +17,16 @@ from typing import Any
 
 import grpc
 import pytest
+from tests.fake_kubelet import WAIT_S, FakeKubelet
 
-from fake_kubelet import WAIT_S, FakeKubelet
 from gpuplane.kube.localapi import pod_json
-from gpuplane.kube.objects import assignment_annotations
+from gpuplane.kube.objects import RES_GPU, RES_RDMA, NodeInventory, assignment_annotations
 from gpuplane.model import Assignment, RdmaLocality, RdmaNic, RdmaShare
-from gpuplane.node.device_plugin import protocol
+from gpuplane.node.allocation import MemoryAssignmentSource
+from gpuplane.node.device_plugin import DevicePlugin, PluginSettings, protocol
+from gpuplane.node.gpu import GIB, FakeGpuBackend
 from gpuplane.node.rdma import (
+    MemoryRdmaPods,
     PhysicalFunction,
     RdmaDevicePlugin,
     RdmaError,
@@ -147,14 +154,6 @@ def test_the_variable_is_the_sriov_device_plugins() -> None:
 
 
 # ------------------------------------------------------------------ over gRPC, with the fake kubelet
-class Pods:
-    def __init__(self, *pods: RdmaPod) -> None:
-        self.pods = list(pods)
-
-    def waiting(self) -> list[RdmaPod]:
-        return list(self.pods)
-
-
 @pytest.fixture
 def sockdir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="gprdma-", dir="/tmp"))  # unix socket paths: 107 bytes at most
@@ -182,7 +181,7 @@ def preferred(kubelet: FakeKubelet, endpoint: str, available: list[str], size: i
 def test_kubelet_is_steered_to_the_assigned_pfs_vfs(sockdir: Path) -> None:
     kubelet = FakeKubelet(sockdir)
     kubelet.start()
-    pods = Pods(pod("default/p", 1, 2, 1.0))
+    pods = MemoryRdmaPods(pod("default/p", 1, 2, 1.0))
     plugin = RdmaDevicePlugin(RAILS, pods, directory=sockdir)
     try:
         plugin.start()
@@ -215,7 +214,7 @@ def test_an_allocation_off_the_assigned_pf_is_refused(sockdir: Path, ids: list[s
                                                       message: str) -> None:
     kubelet = FakeKubelet(sockdir)
     kubelet.start()
-    plugin = RdmaDevicePlugin(RAILS, Pods(pod("default/p", 1, 2, 1.0)), directory=sockdir)
+    plugin = RdmaDevicePlugin(RAILS, MemoryRdmaPods(pod("default/p", 1, 2, 1.0)), directory=sockdir)
     try:
         plugin.start()
         kubelet.wait_registered()
@@ -230,7 +229,7 @@ def test_an_allocation_off_the_assigned_pf_is_refused(sockdir: Path, ids: list[s
 def test_a_kubelet_restart_is_followed(sockdir: Path) -> None:
     kubelet = FakeKubelet(sockdir)
     kubelet.start()
-    plugin = RdmaDevicePlugin(RAILS, Pods(), directory=sockdir)
+    plugin = RdmaDevicePlugin(RAILS, MemoryRdmaPods(), directory=sockdir)
     try:
         plugin.start()
         kubelet.wait_registered()
@@ -240,3 +239,68 @@ def test_a_kubelet_restart_is_followed(sockdir: Path) -> None:
     finally:
         plugin.stop()
         kubelet.stop()
+
+
+# ------------------------------------------------------------------ the node agent's command and inventory
+def test_the_gpu_plugin_publishes_the_rails_as_the_inventorys_nics(sockdir: Path, tmp_path: Path) -> None:
+    kubelet = FakeKubelet(sockdir)
+    kubelet.start()
+    published: list[NodeInventory] = []
+    nics = rdma_nics(discover(["ens1f0np0", "ens2f0np0"], fake_sysfs(tmp_path, SYSFS)))
+    plugin = DevicePlugin(PluginSettings("n1", sockdir, nics=nics),
+                          FakeGpuBackend(2, 80 * GIB, name="NVIDIA H100 80GB HBM3", uuid_prefix="h100"),
+                          MemoryAssignmentSource(), publish=published.append)
+    try:
+        plugin.start()
+        assert [n.name for n in published[-1].nics] == ["ens1f0np0", "ens2f0np0"]  # NIC i: the pools file's i-th PF
+        assert NodeInventory.decode(published[-1].encode()).nics == nics  # what the scheduler reads
+    finally:
+        plugin.stop(0)
+        kubelet.stop()
+
+
+def command(*args: str) -> list[str]:
+    script = ("import typer; from gpuplane.cli.device_plugin_cmd import register; app = typer.Typer(); "
+              "register(app); app()")
+    return [sys.executable, "-c", script, "device-plugin", *args]
+
+
+def test_the_device_plugin_command_serves_the_rails_beside_the_cards(sockdir: Path, tmp_path: Path) -> None:
+    kubelet = FakeKubelet(sockdir)
+    kubelet.start()
+    config = tmp_path / "config.json"
+    config.write_text(pools([{"pfNames": ["ens2f0np0"], "isRdma": True}]), encoding="utf-8")
+    env = {**os.environ, "NODE_NAME": "n1", "KUBECONFIG": "/nonexistent/kubeconfig", "KUBERNETES_SERVICE_HOST": ""}
+    proc = subprocess.Popen(command("--dir", str(sockdir), "--fake-cards", "1", "--interval", "0.2",
+                                    "--rdma-pools", str(config), "--sysfs", str(fake_sysfs(tmp_path / "sys", SYSFS))),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert kubelet.wait_registered(1).resource_name == RES_GPU
+        assert kubelet.wait_registered(2).resource_name == RES_RDMA
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=WAIT_S)
+        kubelet.stop()
+    assert proc.returncode == 0, stderr
+    assert "RDMA: 12 VFs of ens2f0np0 as gpuplane.io/rdma-vf" in stderr
+
+
+def test_the_device_plugin_command_names_a_pools_file_it_cannot_use(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    app = typer_app()
+    config = tmp_path / "config.json"
+    config.write_text(pools([{"pfNames": ["eth9"], "isRdma": True}]), encoding="utf-8")
+    args = ["device-plugin", "--fake-cards", "1", "--node-name", "n1", "--sysfs", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, "--rdma-pools", str(config)])
+    assert result.exit_code == 2 and "--rdma-pools" in result.output and "PF eth9" in result.output
+
+
+def typer_app() -> Any:
+    import typer
+
+    from gpuplane.cli.device_plugin_cmd import register
+
+    app = typer.Typer()
+    register(app)
+    return app

@@ -20,6 +20,7 @@ from gpuplane.model import CatalogError, GpuplaneError, MigMode, default_catalog
 if TYPE_CHECKING:
     from gpuplane.kube.objects import NodeInventory
     from gpuplane.node.gpu import DeviceBackend
+    from gpuplane.node.rdma import PhysicalFunction
 
 POOL_SYNC_S = 10.0
 """How long the device plugin waits for the GpuPools and its node to be listed before it serves."""
@@ -52,6 +53,12 @@ def register(app: typer.Typer) -> None:
                                                                      "checks (and GpuPool re-checks)")] = 5.0,
         mig_grace_s: Annotated[float, typer.Option("--mig-grace", help="seconds a MIG instance no live pod holds "
                                                                       "is kept before it is destroyed")] = 60.0,
+        rdma_pools: Annotated[Path | None, typer.Option(help="the RDMA rails, an SR-IOV network device plugin "
+                                                             "config.json with one pool per PF (deploy/rdma): serve "
+                                                             "gpuplane.io/rdma-vf on their VFs, steered to the PF "
+                                                             "the scheduler assigned; a missing file: no RDMA")]
+            = None,
+        sysfs: Annotated[Path, typer.Option(help="where the host's /sys is (the PFs' VFs)")] = Path("/sys"),
     ) -> None:
         """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM. The node's GpuPool
         (label gpuplane.io/pool) gives the split and MIG mode; --split and --mig-mode apply without a valid one."""
@@ -72,20 +79,25 @@ def register(app: typer.Typer) -> None:
             mode = MigMode(mig_mode) if mig_mode is not None else None
         except ValueError:
             fail(f"--mig-mode: {mig_mode!r} is not one of dynamic, on, off")
+        from gpuplane.node.rdma import KubeRdmaPods, MemoryRdmaPods, RdmaDevicePlugin, RdmaPods, rdma_nics
+
+        rails = _rdma_rails(rdma_pools, sysfs)
         settings = PluginSettings(node_name=node, directory=directory, split=split, mig_mode=mode,
-                                  mig_grace_s=mig_grace_s,
+                                  mig_grace_s=mig_grace_s, nics=rdma_nics(rails),
                                   allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir,
                                                                 vgpu_dir=vgpu_dir))
         backend = _backend(fake_cards, fake_model)
         source: AssignmentSource
         publish: Callable[[NodeInventory], None] | None = None
         pools: PoolSharingSource | None = None
+        rdma_pods: RdmaPods = MemoryRdmaPods()
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.node.allocation import KubeAssignmentSource
 
         try:
             api = connect_api(kubeconfig)
             source = KubeAssignmentSource(api, node, settings.resource)
+            rdma_pods = KubeRdmaPods(api, node)
             publish = functools.partial(publish_inventory, api, node)
             pools = PoolSharingSource(api, node, Sharing(split, mode), refresh_s=interval_s)
         except KubeConfigError as exc:
@@ -96,6 +108,7 @@ def register(app: typer.Typer) -> None:
             source = MemoryAssignmentSource()
         log_to_stderr()
         plugin = DevicePlugin(settings, backend, source, publish=publish)
+        rdma = RdmaDevicePlugin(rails, rdma_pods, directory=directory) if rails else None
         stop = threading.Event()
         try:
             with on_sigterm(stop.set):
@@ -117,6 +130,12 @@ def register(app: typer.Typer) -> None:
                     fail(str(exc))
                 err.print(f"device plugin: {len(plugin.cards)} cards × {plugin.sharing.split} units of "
                           f"{settings.resource} on {plugin.socket_path}")
+                if rdma is not None:
+                    rdma.start()
+                    err.print(f"RDMA: {sum(len(pf.vfs) for pf in rails)} VFs of {', '.join(pf.name for pf in rails)} "
+                              f"as {rdma.resource} on {rdma.socket_path}")
+                    threading.Thread(target=rdma.run, args=(stop, interval_s), name="rdma plugin",
+                                     daemon=True).start()
                 plugin.run(stop, interval_s)
         except KeyboardInterrupt:
             pass
@@ -125,6 +144,8 @@ def register(app: typer.Typer) -> None:
             if pools is not None:
                 pools.stop()
             plugin.stop()
+            if rdma is not None:
+                rdma.stop()
             backend.close()
 
     @app.command("mig-apply")
@@ -192,3 +213,19 @@ def _backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> D
     return FakeGpuBackend(fake_cards, model.memory_mib << 20, name=model.name, numa=[i * 2 // fake_cards
                                                                                       for i in range(fake_cards)],
                           mig_model=model if model.mig_capable else None)
+
+
+def _rdma_rails(path: Path | None, sysfs: Path) -> tuple[PhysicalFunction, ...]:
+    """The PFs of the RDMA pools file with their VFs; none without a file (`--rdma-pools` unset, or its optional
+    ConfigMap absent). Exits naming the problem when the file or a PF cannot be used."""
+    from gpuplane.node.rdma import RdmaError, discover, load_pfs
+
+    if path is None:
+        return ()
+    if not path.exists():
+        err.print(f"--rdma-pools: {escape(str(path))} does not exist: no RDMA functions served")
+        return ()
+    try:
+        return discover(load_pfs(path.read_text(encoding="utf-8")), sysfs)
+    except (OSError, RdmaError) as exc:
+        fail(f"--rdma-pools: {path}: {exc}")

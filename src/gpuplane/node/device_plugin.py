@@ -70,7 +70,7 @@ import grpc
 from gpuplane.controllers.health import CRITICAL_XIDS
 from gpuplane.kube.api import KubeApi, node_path
 from gpuplane.kube.objects import INVENTORY, RES_GPU, CardInventory, NodeInventory
-from gpuplane.model import CardModel, Catalog, CatalogError, GpuplaneError, MigMode, default_catalog
+from gpuplane.model import CardModel, Catalog, CatalogError, GpuplaneError, MigMode, RdmaNic, default_catalog
 from gpuplane.node.allocation import (
     AllocationSettings,
     AssignmentSource,
@@ -174,17 +174,18 @@ def node_model(infos: Sequence[CardInfo], catalog: Catalog) -> CardModel:
 
 
 def node_inventory(infos: Sequence[CardInfo], catalog: Catalog, *, split: int = 10,
-                   mig_mode: MigMode | None = None, model: CardModel | None = None) -> NodeInventory:
+                   mig_mode: MigMode | None = None, model: CardModel | None = None,
+                   nics: Sequence[RdmaNic] = ()) -> NodeInventory:
     """The node's `NodeInventory` from its cards: model (canonical; `node_model` unless given), index, UUID,
-    NUMA (0 when unknown), NVLink groups. NVML does not name PCIe switches: a card's NUMA node stands in for its
-    switch. `mig_mode` defaults to DYNAMIC for a MIG-capable model, OFF otherwise. Raises `CatalogError` as
-    `node_model` does."""
+    NUMA (0 when unknown), NVLink groups, and the RDMA `nics`. NVML does not name PCIe switches: a card's NUMA
+    node stands in for its switch. `mig_mode` defaults to DYNAMIC for a MIG-capable model, OFF otherwise. Raises
+    `CatalogError` as `node_model` does."""
     if model is None:
         model = node_model(infos, catalog)
     if mig_mode is None:
         mig_mode = MigMode.DYNAMIC if model.mig_capable else MigMode.OFF
     cards = tuple(CardInventory(i.index, i.uuid, i.numa or 0, i.numa or 0) for i in infos)
-    return NodeInventory(model.name, cards, _nvlink_groups(infos), mig_mode=mig_mode, split=split)
+    return NodeInventory(model.name, cards, _nvlink_groups(infos), tuple(nics), mig_mode=mig_mode, split=split)
 
 
 def publish_inventory(api: KubeApi, node: str, inventory: NodeInventory) -> None:
@@ -207,6 +208,8 @@ class PluginSettings:
     mig_mode: MigMode | None = None
     """The MIG mode (None: DYNAMIC for MIG-capable models, else OFF), until `set_sharing` gives another."""
     register_timeout_s: float = 5.0
+    nics: tuple[RdmaNic, ...] = ()
+    """The RDMA NICs published in the inventory (`gpuplane.node.rdma.rdma_nics`: the PFs the RDMA plugin serves)."""
     mig_grace_s: float = 60.0
     """How long a MIG instance no live pod holds (and a MIG card no live pod wants) is left before the reconcile
     destroys it (turns MIG mode off)."""
@@ -510,7 +513,7 @@ class DevicePlugin:
         with self._publish_lock:  # tick and set_sharing may both publish: one at a time, the newest last
             sharing = self.sharing
             inventory = node_inventory(self._cards, self.catalog, split=sharing.split, mig_mode=sharing.mig_mode,
-                                       model=self.model)
+                                       model=self.model, nics=self.settings.nics)
             encoded = inventory.encode()
             if encoded == self._published:
                 return

@@ -58,8 +58,9 @@ from gpuplane.node.device_plugin import DEFAULT_DIR, HEALTHY, KUBELET_SOCKET, VE
 from gpuplane.port import PodPhase
 
 __all__ = [
-    "ENDPOINT", "KubeRdmaPods", "PhysicalFunction", "RdmaDevicePlugin", "RdmaError", "RdmaPod", "VirtualFunction",
-    "discover", "load_pfs", "match_rdma_pod", "pci_env", "rdma_nics", "steer",
+    "ENDPOINT", "KubeRdmaPods", "MemoryRdmaPods", "PhysicalFunction", "RdmaDevicePlugin", "RdmaError", "RdmaPod",
+    "RdmaPods", "VirtualFunction", "discover", "load_pfs", "match_rdma_pod", "pci_env", "rdma_nics", "rdma_pod",
+    "steer",
 ]
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,16 @@ class KubeRdmaPods:
         return found
 
 
+class MemoryRdmaPods:
+    """Pods held in memory (tests, dry runs without an API server)."""
+
+    def __init__(self, *pods: RdmaPod) -> None:
+        self.pods = list(pods)
+
+    def waiting(self) -> list[RdmaPod]:
+        return list(self.pods)
+
+
 def match_rdma_pod(waiting: Sequence[RdmaPod], handed: Mapping[str, int], size: int) -> RdmaPod | None:
     """The oldest waiting pod (by assigned-at, then key) with at least `size` of its VFs not yet handed."""
     for pod in sorted(waiting, key=lambda p: (p.assigned_at, p.key)):
@@ -296,6 +307,14 @@ class RdmaDevicePlugin:
         identity = _identity(self.directory / KUBELET_SOCKET)
         if identity is not None and identity != self._registered_with:
             self._register()
+
+    def run(self, stop: threading.Event, interval_s: float = 5.0) -> None:
+        """`tick` every `interval_s` until `stop` is set."""
+        while not stop.wait(interval_s):
+            try:
+                self.tick()
+            except Exception:  # keep watching: one bad round must not end the plugin
+                log.exception("RDMA device plugin round failed")
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         self._stopping.set()
