@@ -31,7 +31,9 @@ from gpuplane.model import (
     WholeCards,
     default_catalog,
 )
+from gpuplane.node import rdma
 from gpuplane.port import WallClock
+from gpuplane.scheduler import PolicyConfig, Scheduler, default_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 RDMA_DEPLOY = ROOT / "deploy" / "rdma"
@@ -184,6 +186,28 @@ def test_a_bind_names_the_chosen_nics_network_in_the_assignment_patch(world: tup
     # kubelet allocates that many VFs and Multus hands one to each listed element.
     assert stored["spec"]["containers"][0]["resources"]["requests"][RES_RDMA] == "2"
     assert stored["spec"]["nodeName"] == "n1"
+
+
+def test_the_scheduler_names_the_network_of_the_nic_it_chose_near_the_cards(
+        world: tuple[FakeApiServer, KubeCluster]) -> None:
+    server, cluster = world
+    scheduler = Scheduler(cluster, default_catalog(), default_registry().build(PolicyConfig()), seed=0)
+    try:
+        assert cluster.create_pod(PodRequest("default/train-0", gpu=WholeCards(2), rdma_vfs=2)).ok
+        [outcome] = scheduler.run_pending()
+        assert outcome.decision.status.ok, outcome.decision.status.message
+    finally:
+        scheduler.close()
+    stored = server.get("pods", "default/train-0")
+    assert stored is not None and stored["spec"]["nodeName"] == "n1"
+    assignment = decode_assignment(stored["metadata"]["annotations"][ASSIGNMENT])
+    assert assignment.rdma is not None and assignment.rdma.locality is RdmaLocality.PCIE_SWITCH
+    network = {"name": NETS.name(NICS[assignment.rdma.nic]), "namespace": NETS.namespace}
+    assert json.loads(stored["metadata"]["annotations"][NETWORKS]) == [network, network]
+    assert stored["spec"]["containers"][0]["resources"]["requests"][RES_RDMA] == "2"
+    # The node agent reads the same pod and steers kubelet to that NIC's VFs.
+    waiting = rdma.rdma_pod(stored, "n1")
+    assert waiting is not None and waiting.assignment.rdma == assignment.rdma
 
 
 def test_a_bind_without_rdma_leaves_the_networks_alone(world: tuple[FakeApiServer, KubeCluster]) -> None:
