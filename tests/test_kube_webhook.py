@@ -119,16 +119,16 @@ def test_create_with_a_scheduler_annotation_is_rejected_naming_it(http_url: str,
     pod(),                                                               # no GPU at all
     pod(limits={"gpuplane.io/gpu": "2"}),                                # two whole cards
     pod(limits={"gpuplane.io/gpu": "1", "gpuplane.io/gpucores": "30", "gpuplane.io/gpumem": "8000"}),  # a share
+    pod(limits={"gpuplane.io/gpu": "2", "gpuplane.io/gpumem": "4000"}),  # HAMi: 4000 MiB on each of two cards
     pod("web-", limits={"gpuplane.io/gpu": "1"}, generate=True),         # generateName: no name yet
     pod(annotations={"prometheus.io/scrape": "true"}),
-], ids=["plain", "whole-cards", "share", "generate-name", "other-annotations"])
+], ids=["plain", "whole-cards", "share", "shares-on-two-cards", "generate-name", "other-annotations"])
 def test_ordinary_pods_are_allowed(http_url: str, obj: dict[str, Any]) -> None:
     assert response(http_url, review("CREATE", obj))["allowed"]
 
 
 @pytest.mark.parametrize(("limits", "field"), [
     ({"gpuplane.io/gpu": "1", "gpuplane.io/gpucores": "150"}, "resources[gpuplane.io/gpucores]"),  # > 100 %
-    ({"gpuplane.io/gpu": "2", "gpuplane.io/gpumem": "4000"}, "resources[gpuplane.io/gpu]"),  # a share is one card
     ({"gpuplane.io/gpu": "1.5"}, "resources[gpuplane.io/gpu]"),                              # not whole
     ({"gpuplane.io/gpu": "lots"}, "spec.containers[0].resources[gpuplane.io/gpu]"),         # not a quantity
 ])

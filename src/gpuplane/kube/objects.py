@@ -38,6 +38,7 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from gpuplane.kube.foreign import FOREIGN_CARDS, ForeignReport, holds_unreported
 from gpuplane.model import (
     Assignment,
     CardShare,
@@ -864,7 +865,8 @@ class NodeInventory:
 
 
 def node_spec(node: Mapping[str, Any], catalog: Catalog) -> NodeSpec:
-    """Read a node: allocatable CPU and memory, labels, taints, cordon, pool and the GPU inventory."""
+    """Read a node: allocatable CPU and memory, labels, taints, cordon, pool, the GPU inventory and the cards other
+    GPU stacks hold."""
     obj = object_key(node)
     if not obj:
         raise ObjectError("node", "metadata.name", "missing")
@@ -890,12 +892,23 @@ def node_spec(node: Mapping[str, Any], catalog: Catalog) -> NodeSpec:
         mig_mode = inventory.mig_mode
     taints = tuple(Taint(str(t.get("key") or ""), str(t.get("value") or ""), str(t.get("effect") or "NoSchedule"))
                    for t in spec.get("taints") or [] if isinstance(t, Mapping))
+    gpus = len(inventory.cards) if inventory is not None else 0
+    # Cards other GPU stacks hold (gpuplane.kube.foreign): from the node agent's report, else, on a node offering
+    # a foreign GPU resource beside gpuplane's, all of them until the report comes.
+    report = annotations_of(node).get(FOREIGN_CARDS)
+    foreign: frozenset[int] = frozenset(range(gpus)) if holds_unreported(allocatable) else frozenset()
+    if report is not None:
+        try:
+            foreign = ForeignReport.decode(report).cards(gpus)
+        except ValueError as exc:
+            raise ObjectError(obj, f"metadata.annotations[{FOREIGN_CARDS}]", str(exc)) from None
     try:
         return NodeSpec(
             name=obj, cpu_milli=int(cpu * 1000), memory_mib=int(memory / (1 << 20)),
-            gpu_model=model, gpus=len(inventory.cards) if inventory is not None else 0,
+            gpu_model=model, gpus=gpus,
             pool=labels.get(POOL_LABEL, "default"), labels=tuple(sorted(labels.items())), taints=taints,
-            schedulable=not spec.get("unschedulable", False), mig_mode=mig_mode, topology=topology)
+            schedulable=not spec.get("unschedulable", False), mig_mode=mig_mode, topology=topology,
+            foreign_cards=foreign)
     except NodeSpecError as exc:
         raise ObjectError(obj, f"metadata.annotations[{INVENTORY}]", str(exc)) from None
 

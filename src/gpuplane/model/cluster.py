@@ -7,7 +7,9 @@ touch one node's row, so they cost O(cards of one node).
 Invariants, checked by `check_invariants` and by the property tests:
 - no dimension of any node or card is ever below zero or above its capacity;
 - MIG instances on a card never overlap on the memory-slice axis and start on legal slots;
-- a card in MIG mode holds only MIG instances; a card with fractional or whole holders holds none.
+- a card in MIG mode holds only MIG instances; a card with fractional or whole holders holds none;
+- a card another stack holds (`NodeSpec.foreign_cards`) has nothing free: it counts one phantom holder, and what
+  gpuplane's own holders leave there is held in the `card_foreign_*` arrays, not offered.
 """
 
 from __future__ import annotations
@@ -203,13 +205,21 @@ class ClusterState:
         self.card_mig_me = np.zeros((n, c), np.bool_)
         self.card_whole = np.zeros((n, c), np.bool_)
         self.card_online_milli = np.zeros((n, c), np.int64)
+        # A card another stack holds (`NodeSpec.foreign_cards`): one phantom holder keeps it from being idle, and
+        # whatever gpuplane's own holders leave free is held here instead of in the free arrays.
+        self.card_foreign = np.zeros((n, c), np.bool_)
+        self.card_foreign_milli = np.zeros((n, c), np.int64)
+        self.card_foreign_mem = np.zeros((n, c), np.int64)
+        self.card_foreign_enc = np.zeros((n, c), np.int64)
+        self.card_foreign_dec = np.zeros((n, c), np.int64)
 
     _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
                     "gpu_milli_used", "idle_cards", "rdma_max_free", "node_version")
     _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
                     "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
                     "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me",
-                    "card_whole", "card_online_milli")
+                    "card_whole", "card_online_milli", "card_foreign", "card_foreign_milli", "card_foreign_mem",
+                    "card_foreign_enc", "card_foreign_dec")
 
     def _grow(self, n: int, c: int) -> None:
         old_n, old_c = len(self.cpu_cap), self.width
@@ -282,6 +292,7 @@ class ClusterState:
             if pinned:
                 self.idle_cards[n] = 0
         self._set_pool(n, spec.pool)
+        self._set_foreign(n, spec.foreign_cards)
         self.schedulable[n] = spec.schedulable
         if spec.taints:
             self.tainted.add(n)
@@ -294,17 +305,70 @@ class ClusterState:
         g = self.nodes[n].gpus
         new_cap = (self.card_mem_phys[n, :g] * ratio).astype(np.int64)
         whole = self.card_whole[n, :g]
-        used = np.where(whole, 0, self.card_mem_cap[n, :g] - self.card_mem_free[n, :g])
+        foreign = self.card_foreign[n, :g]
+        used = np.where(whole, 0, self.card_mem_cap[n, :g] - self.card_mem_free[n, :g] - self.card_foreign_mem[n, :g])
         if (used > new_cap).any():
             card = int(np.flatnonzero(used > new_cap)[0])
             raise NodeSpecError(f"node {self.nodes[n].name}: pool {pool!r} would leave card {card} "
                                 f"{int(used[card])} MiB promised on {int(new_cap[card])} MiB")
-        # A card held whole stays fully taken whatever its capacity; release gives it all back.
-        self.card_mem_free[n, :g] = np.where(whole, 0, new_cap - used)
+        # A card held whole stays fully taken whatever its capacity; release gives it all back. On a card another
+        # stack holds, what gpuplane leaves stays held for that stack.
+        left = np.where(whole, 0, new_cap - used)
+        self.card_mem_free[n, :g] = np.where(foreign, 0, left)
+        self.card_foreign_mem[n, :g] = np.where(foreign, left, 0)
         self.card_mem_cap[n, :g] = new_cap
 
+    def _set_foreign(self, n: int, cards: frozenset[int]) -> None:
+        """Hold every card of `cards` for another stack (no share, no whole card, no MIG instance goes there) and
+        give back those it held that `cards` no longer names. gpuplane's own holders of a card that turns foreign
+        keep what they hold; what they leave when they go stays held."""
+        spec = self.nodes[n]
+        model = self.model_of(n)
+        for c in range(spec.gpus):
+            held = bool(self.card_foreign[n, c])
+            if (c in cards) == held:
+                continue
+            if held:
+                self._give_back_foreign(n, c)
+                self.card_foreign[n, c] = False
+                if self.card_holders[n, c] == 1 and not self.card_mig[n, c]:
+                    self.idle_cards[n] += 1
+                self.card_holders[n, c] -= 1
+                self.card_mig_allowed[n, c] = model is not None and model.mig_capable \
+                    and spec.mig_mode is not MigMode.OFF
+            else:
+                if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
+                    self.idle_cards[n] -= 1
+                self.card_holders[n, c] += 1
+                self.card_foreign[n, c] = True
+                self.card_mig_allowed[n, c] = False
+                self._hold_foreign(n, c)
+
+    def _hold_foreign(self, n: int, c: int) -> None:
+        """Move what card (n, c) has free into the other stack's hold."""
+        milli = int(self.card_milli_free[n, c])
+        self.card_foreign_milli[n, c] += milli
+        self.card_foreign_mem[n, c] += self.card_mem_free[n, c]
+        self.card_foreign_enc[n, c] += self.card_enc_free[n, c]
+        self.card_foreign_dec[n, c] += self.card_dec_free[n, c]
+        self.card_milli_free[n, c] = self.card_mem_free[n, c] = self.card_enc_free[n, c] = 0
+        self.card_dec_free[n, c] = 0
+        self.gpu_milli_used[n] += milli
+
+    def _give_back_foreign(self, n: int, c: int) -> None:
+        """Move the other stack's hold on card (n, c) back to free."""
+        milli = int(self.card_foreign_milli[n, c])
+        self.card_milli_free[n, c] += milli
+        self.card_mem_free[n, c] += self.card_foreign_mem[n, c]
+        self.card_enc_free[n, c] += self.card_foreign_enc[n, c]
+        self.card_dec_free[n, c] += self.card_foreign_dec[n, c]
+        self.card_foreign_milli[n, c] = self.card_foreign_mem[n, c] = self.card_foreign_enc[n, c] = 0
+        self.card_foreign_dec[n, c] = 0
+        self.gpu_milli_used[n] -= milli
+
     def update_node(self, spec: NodeSpec) -> None:
-        """Apply a change of labels, taints, pool or schedulability. Raises `NodeSpecError`, changing nothing,
+        """Apply a change of labels, taints, pool, schedulability or the cards another stack holds. Raises
+        `NodeSpecError`, changing nothing,
         for a change of shape (cards, cpu, memory, card model, MIG mode, topology: the node must be removed and
         added again) or a pool whose oversell would leave less card memory than is promised."""
         n = self.node_index[spec.name]
@@ -329,6 +393,8 @@ class ClusterState:
                 self.nodes[n] = old
                 raise
         self.nodes[n] = spec.with_changes(gpu_model=old.gpu_model)
+        if spec.foreign_cards != old.foreign_cards:
+            self._set_foreign(n, spec.foreign_cards)
         self.schedulable[n] = spec.schedulable
         self.node_version[n] += 1
         if spec.taints:
@@ -496,6 +562,8 @@ class ClusterState:
             seen.add(c)
             if request.models is not None and (model is None or model.name not in request.models):
                 return "GPU model mismatch"
+            if self.card_foreign[n, c]:
+                return f"card {c} is held by another GPU stack's pod"
             if share.mig_profile is not None:
                 reason = self._check_mig(n, c, share, model)
                 if reason:
@@ -559,6 +627,9 @@ class ClusterState:
         online = request.qos is QoS.ONLINE
         for share in assignment.cards:
             c = share.card
+            foreign = bool(self.card_foreign[n, c])
+            if foreign:  # only a what-if putting back a binding released here (check=False) gets this far
+                self._give_back_foreign(n, c)
             if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
                 self.idle_cards[n] -= 1
             self.card_holders[n, c] += 1
@@ -574,6 +645,8 @@ class ClusterState:
                 self.card_mem_free[n, c] = 0
             if share.mig_profile is not None and share.mig_start is not None:
                 self._place_mig(n, c, request.name, share.mig_profile, share.mig_start)
+            if foreign:
+                self._hold_foreign(n, c)
             if workload is not None:
                 self.workload_cards.setdefault(workload, Counter())[(n, c)] += 1
         if assignment.rdma is not None:
@@ -609,6 +682,9 @@ class ClusterState:
         self.mem_free[n] += request.memory_mib
         for share in assignment.cards:
             c = share.card
+            foreign = bool(self.card_foreign[n, c])
+            if foreign:
+                self._give_back_foreign(n, c)
             self.card_holders[n, c] -= 1
             self.card_milli_free[n, c] += share.compute_milli
             self.card_mem_free[n, c] += share.memory_mib
@@ -622,6 +698,8 @@ class ClusterState:
                 self.card_mem_free[n, c] = self.card_mem_cap[n, c]
             if share.mig_profile is not None and share.mig_start is not None:
                 self._release_mig(n, c, pod, share.mig_profile, share.mig_start)
+            if foreign:  # what the pod leaves on a card another stack holds stays held
+                self._hold_foreign(n, c)
             if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
                 self.idle_cards[n] += 1
             if request.workload is not None:
@@ -741,4 +819,8 @@ class ClusterState:
         idle = ((self.card_holders[:n] == 0) & valid & ~self.card_mig[:n]).sum(axis=1)
         if not np.array_equal(idle, self.idle_cards[:n]):
             problems.append("idle card counts out of sync")
+        foreign = self.card_foreign[:n]
+        if (foreign & ((self.card_milli_free[:n] > 0) | (self.card_mem_free[:n] > 0) | (self.card_enc_free[:n] > 0)
+                       | (self.card_dec_free[:n] > 0) | self.card_mig_allowed[:n])).any():
+            problems.append("a card another stack holds has capacity free for gpuplane")
         return problems

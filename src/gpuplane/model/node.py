@@ -76,10 +76,16 @@ class NodeSpec:
     schedulable: bool = True
     mig_mode: MigMode = MigMode.DYNAMIC
     topology: Topology = field(default_factory=lambda: Topology((), ()))
+    foreign_cards: frozenset[int] = frozenset()
+    """Cards another GPU stack holds (the NVIDIA device plugin's pods, KAI fractions, DRA claims: the node agent
+    reads them from kubelet's PodResources API): gpuplane counts them fully taken, so none is double-booked."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise NodeSpecError("node name must not be empty")
+        outside = sorted(c for c in self.foreign_cards if not 0 <= c < self.gpus)
+        if outside:
+            raise NodeSpecError(f"node {self.name}: foreign_cards names card(s) {outside}, node has {self.gpus}")
         for attr in ("cpu_milli", "memory_mib", "gpus"):
             if getattr(self, attr) < 0:
                 raise NodeSpecError(f"node {self.name}: {attr} must not be negative")

@@ -181,7 +181,8 @@ class Preemption:
             memory = state.card_mem_free[:n] + \
                 np.bincount(cells, shares.mem[srows], minlength=size)[:size].reshape(n, width)
             need_mem = state.card_mem_phys[:n] * gpu.memory_pct // 100 if gpu.memory_pct else gpu.memory_mib
-            plain = valid & ~state.card_mig_pinned[:n] & ~((state.card_mig[:n] | state.card_whole[:n]) & (kept > 0))
+            plain = valid & ~state.card_mig_pinned[:n] & ~state.card_foreign[:n] \
+                & ~((state.card_mig[:n] | state.card_whole[:n]) & (kept > 0))
             ok &= (plain & (milli >= gpu.compute_milli) & (memory >= need_mem)).sum(axis=1) >= gpu.count
         elif isinstance(gpu, MigSlice):
             ok &= state.card_mig_allowed[:n].any(axis=1)
