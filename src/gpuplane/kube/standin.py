@@ -537,7 +537,8 @@ class ExtenderClient:
     def post(self, verb: str, body: Mapping[str, Any]) -> Any:
         """POST `body` to `verb`; the decoded answer (ExtenderError on a transport error or a status not 200)."""
         payload = json.dumps(body, separators=(",", ":")).encode()
-        for attempt in (0, 1):
+        while True:
+            reused = self._conn is not None
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
             try:
@@ -546,13 +547,15 @@ class ExtenderClient:
                 raw = response.read()
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
-                if attempt:
-                    raise ExtenderError(f"{verb}: {exc}") from exc
-                continue
+                # An idle keep-alive connection the server closed: sent again once on a new one, as Go's
+                # transport does; any other failure is the call's.
+                if reused and isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError,
+                                               ConnectionResetError)):
+                    continue
+                raise ExtenderError(f"{verb}: {exc}") from exc
             if response.status != 200:
                 raise ExtenderError(f"{verb}: HTTP {response.status}: {raw[:300]!r}")
             return json.loads(raw)
-        raise AssertionError("unreachable")
 
     def interested(self, pod: Mapping[str, Any]) -> bool:
         return managed_by(pod, self.config.managed)
