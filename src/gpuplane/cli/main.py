@@ -416,6 +416,73 @@ def experiment_frag(
     out.print(f"runs: {out_dir / 'runs.csv'}, table: {out_dir / 'medians.md'}, plots: {out_dir}/unallocated-*.png")
 
 
+@experiment_app.command("parity")
+def experiment_parity(
+    trace: TraceOpt = "default",
+    nodes: NodesOpt = None,
+    pods: Annotated[int | None, typer.Option(help="fill: only the first N pods of the tuned workload")] = None,
+    mode: Annotated[str, typer.Option(help="fill, timed or both")] = "both",
+    node_policy: NodePolicyOpt = "binpack",
+    card_policy: CardPolicyOpt = None,
+    seed: SeedOpt = 42,
+    scheduler: Annotated[str, typer.Option(
+        help="process: `gpuplane scheduler` as a separate process; in-process: the same Scheduler over a "
+             "KubeCluster in this process (the harness's own check)")] = "process",
+    extender: Annotated[bool, typer.Option(
+        help="fill: also replay through extender mode (kube-scheduler stand-in) for binpack and fgd, beside the "
+             "simulator")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """The same workload through the simulator and through Kubernetes (the local API server): the same decisions.
+    Exit 1 on any difference."""
+    from gpuplane.sim import parity
+
+    if mode not in ("fill", "timed", "both"):
+        _fail(f"--mode: choose fill, timed or both, got {mode!r}")
+    if scheduler not in ("process", "in-process"):
+        _fail(f"--scheduler: choose process or in-process, got {scheduler!r}")
+    if pods is not None and pods < 1:
+        _fail("--pods must be at least 1")
+    try:
+        inputs = _load(trace, nodes, False)
+        config = _policy(node_policy, card_policy, "workload", None, inputs, seed)
+        profile = default_registry().build(config)
+        with parity.temporary_workdir() as workdir:
+            if scheduler == "process":
+                factory = parity.separate_process(parity.scheduler_args(node_policy, card_policy, seed,
+                                                                        trace=trace), Path(workdir))
+            else:
+                factory = parity.in_process(inputs.catalog, profile, seed)
+            fill = timed = None
+            if mode in ("fill", "both"):
+                progress = Progress(TextColumn("[bold]parity fill"), BarColumn(), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), console=err, transient=True, disable=as_json)
+                with progress:
+                    task = progress.add_task("pods", total=None)
+                    fill = parity.fill_parity(inputs.catalog, inputs.nodes, [p.request for p in inputs.pods], profile,
+                                              factory, seed=seed, limit=pods,
+                                              progress=lambda done, total: progress.update(task, completed=done,
+                                                                                          total=total))
+            if mode in ("timed", "both"):
+                timed = parity.timed_parity(inputs.catalog, profile, factory, seed=seed)
+        figures: list[parity.ExtenderFigures] = []
+        if extender and mode in ("fill", "both"):
+            profiles = [default_registry().build(_policy(p, None, "workload", None, inputs, seed))
+                        for p in ("binpack", "fgd")]
+            figures = parity.extender_parity(inputs.catalog, inputs.nodes, [p.request for p in inputs.pods], profiles,
+                                             seed=seed, limit=pods)
+        report = parity.ParityReport(inputs.trace, profile.name, seed, scheduler, fill, timed, tuple(figures))
+    except GpuplaneError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(parity.report_json(report))
+    else:
+        _print_figures(f"gpuplane experiment parity ({profile.name}, seed {seed}, scheduler {scheduler})",
+                       parity.summary_rows(report), False)
+    if report.differences:
+        raise typer.Exit(1)
+
+
 @bench_app.command("schedule")
 def bench_schedule(
     node_count: Annotated[int, typer.Option("--nodes", help="size of the synthetic cluster")] = 10_000,

@@ -29,6 +29,7 @@ import re
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -171,6 +172,20 @@ def field_matches(obj: Mapping[str, Any], selector: str) -> bool:
     return True
 
 
+def _request_label(method: str, path: str, watch: bool) -> str:
+    """`request_counts`' key of a request: the verb and what it is on, without names or namespaces."""
+    parts = path.strip("/").split("/")
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if len(rest) >= 2 and rest[0] == "namespaces":
+        rest = rest[2:]
+    what = rest[0] if rest else "?"
+    if len(rest) >= 3:
+        what = f"{what}/{rest[2]}"
+    if method == "GET" and (watch or len(rest) == 1):
+        what = f"{what} ({'watch' if watch else 'list'})"
+    return f"{method} {what}"
+
+
 @dataclass(frozen=True)
 class Route:
     group: str
@@ -250,8 +265,10 @@ class FakeApiServer:
     """
 
     def __init__(self, *, pod_deletion_delay_s: float | None = 0.0, bookmark_interval_s: float | None = None,
-                 now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC), keep_requests: bool = True) -> None:
         self.pod_deletion_delay_s = pod_deletion_delay_s
+        self.keep_requests = keep_requests
+        """Log every request with its body in `requests` (tests); counts (`request_counts`) are always kept."""
         self.bookmark_interval_s = bookmark_interval_s
         self._now = now
         self._lock = threading.RLock()
@@ -269,6 +286,7 @@ class FakeApiServer:
         self._snapshot_ids = itertools.count(1)
         self._stopping = False
         self.requests: list[tuple[str, str, Any]] = []
+        self._counts: Counter[str] = Counter()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._api: RestKubeApi | None = None
@@ -349,6 +367,23 @@ current-context: fake
                     return copy.deepcopy(objects[key])
         return None
 
+    def wait_for(self, kind: str, key: str, predicate: Callable[[JsonObject | None], bool],
+                 timeout_s: float) -> JsonObject | None:
+        """Block until the stored object (None while absent) satisfies `predicate`, checked after every write;
+        a copy of it then. TimeoutError after `timeout_s`."""
+        plural = KIND_ALIASES.get(kind.lower(), kind.lower())
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                obj = next((objects[key] for (_, p), objects in self._store.items() if p == plural and key in objects),
+                           None)
+                if predicate(obj):
+                    return copy.deepcopy(obj)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{kind} {key}: not there within {timeout_s:g} s")
+                self._changed.wait(left)
+
     def keys(self, kind: str) -> list[str]:
         plural = KIND_ALIASES.get(kind.lower(), kind.lower())
         with self._lock:
@@ -425,6 +460,12 @@ current-context: fake
         with self._lock:
             return len(self._streams)
 
+    def request_counts(self) -> dict[str, int]:
+        """Requests so far by `VERB resource[/subresource]`, GETs marked `(list)` or `(watch)` unless of one
+        object: e.g. `{"POST pods": 3, "PATCH pods": 3, "POST pods/binding": 3, "GET pods (watch)": 1}`."""
+        with self._lock:
+            return dict(self._counts)
+
     def requests_to(self, path_regex: str, method: str | None = None) -> list[tuple[str, str, Any]]:
         pattern = re.compile(path_regex)
         with self._lock:
@@ -491,10 +532,12 @@ current-context: fake
 
     # -- request handling (called by the handler thread) -------------------------------------------------------
 
-    def record(self, method: str, path: str, body: Any) -> None:
-        """Log a request and answer an injected failure if one matches."""
+    def record(self, method: str, path: str, body: Any, *, watch: bool = False) -> None:
+        """Log and count a request and answer an injected failure if one matches."""
         with self._lock:
-            self.requests.append((method, path, copy.deepcopy(body)))
+            self._counts[_request_label(method, path, watch)] += 1
+            if self.keep_requests:
+                self.requests.append((method, path, copy.deepcopy(body)))
             for fault in self._faults:
                 if fault.times > 0 and fault.method == method and fault.path.search(path):
                     fault.times -= 1
@@ -871,7 +914,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, answer)
 
     def _watch(self, path: str, query: Mapping[str, str]) -> None:
-        self.fake.record("GET", path, None)
+        self.fake.record("GET", path, None, watch=True)
         route = parse_route(path)
         stream = self.fake.open_stream()
         try:
