@@ -5,6 +5,12 @@ the codec reading it (and the safety net without it), and ClusterState counting 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from builders import CATALOG, cluster, framework, node, pod
+from fake_kubelet import WAIT_S, FakeKubelet
 from fake_podresources import Claim, Container, FakePodResources, Pod
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.foreign import FOREIGN_CARDS, ForeignHold, ForeignReport, UnmappedDevice
@@ -133,8 +140,16 @@ def test_report_groups_pods_and_resources_per_card() -> None:
 # ---------------------------------------------------------------------------- the client over unix-socket gRPC
 
 @pytest.fixture
-def kubelet(tmp_path: Path) -> Iterator[FakePodResources]:
-    fake = FakePodResources(tmp_path / "pod-resources" / "kubelet.sock").start()
+def sockdir() -> Iterator[Path]:
+    # unix socket paths are limited to 107 bytes: pytest's tmp_path can be longer
+    path = Path(tempfile.mkdtemp(prefix="gppr-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(sockdir: Path) -> Iterator[FakePodResources]:
+    fake = FakePodResources(sockdir / "pod-resources" / "kubelet.sock").start()
     yield fake
     fake.stop()
 
@@ -212,6 +227,32 @@ def test_the_scheduler_follows_the_report(kubelet: FakePodResources, api_server:
     finally:
         client.close()
         cluster.close()
+
+
+def test_the_node_agent_command_publishes_foreign_cards(kubelet: FakePodResources, api_server: FakeApiServer,
+                                                        sockdir: Path) -> None:
+    plugins = FakeKubelet(sockdir / "plugins")
+    plugins.start()
+    kubelet.set_pods(Pod("ml", "nv", (Container("c", {"nvidia.com/gpu": ["GPU-fake-1"]}),)))
+    script = ("import typer; from gpuplane.cli.device_plugin_cmd import register; app = typer.Typer(); "
+              "register(app); app()")
+    kubeconfig = api_server.write_kubeconfig(sockdir / "kubeconfig")
+    proc = subprocess.Popen([sys.executable, "-c", script, "device-plugin", "--dir", str(plugins.directory),
+                             "--node-name", "n1", "--fake-cards", "4", "--fake-model", "A100-40GB", "--kubeconfig",
+                             str(kubeconfig), "--pod-resources", str(kubelet.socket), "--interval", "0.2"],
+                            env={**os.environ, "KUBERNETES_SERVICE_HOST": ""}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        node = api_server.wait_for("nodes", "n1", lambda o: o is not None and FOREIGN_CARDS in
+                                   o["metadata"].get("annotations", {}), WAIT_S)
+        assert node is not None
+        assert ForeignReport.decode(node["metadata"]["annotations"][FOREIGN_CARDS]).cards(4) == {1}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=WAIT_S)
+        plugins.stop()
+    assert proc.returncode == 0, stderr
+    assert "foreign cards: from" in stderr
 
 
 def annotation(server: FakeApiServer) -> str:

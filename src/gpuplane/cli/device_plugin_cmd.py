@@ -59,6 +59,10 @@ def register(app: typer.Typer) -> None:
                                                              "the scheduler assigned; a missing file: no RDMA")]
             = None,
         sysfs: Annotated[Path, typer.Option(help="where the host's /sys is (the PFs' VFs)")] = Path("/sys"),
+        pod_resources: Annotated[Path | None, typer.Option(help="kubelet's PodResources socket: publish the cards "
+                                                                "other GPU stacks' pods hold (node annotation "
+                                                                "gpuplane.io/foreign-cards); a missing socket: none")]
+            = Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
     ) -> None:
         """Serve gpuplane.io/gpu to kubelet (device plugin API v1beta1) until Ctrl-C or SIGTERM. The node's GpuPool
         (label gpuplane.io/pool) gives the split and MIG mode; --split and --mig-mode apply without a valid one."""
@@ -93,6 +97,9 @@ def register(app: typer.Typer) -> None:
         rdma_pods: RdmaPods = MemoryRdmaPods()
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.node.allocation import KubeAssignmentSource
+        from gpuplane.node.podresources import ForeignCardsReporter, PodResourcesClient
+
+        foreign: ForeignCardsReporter | None = None
 
         try:
             api = connect_api(kubeconfig)
@@ -100,6 +107,8 @@ def register(app: typer.Typer) -> None:
             rdma_pods = KubeRdmaPods(api, node)
             publish = functools.partial(publish_inventory, api, node)
             pools = PoolSharingSource(api, node, Sharing(split, mode), refresh_s=interval_s)
+            if pod_resources is not None and pod_resources.exists():
+                foreign = ForeignCardsReporter(api, node, PodResourcesClient(str(pod_resources)), backend)
         except KubeConfigError as exc:
             if kubeconfig is not None or fake_cards is None:
                 backend.close()
@@ -136,6 +145,10 @@ def register(app: typer.Typer) -> None:
                               f"as {rdma.resource} on {rdma.socket_path}")
                     threading.Thread(target=rdma.run, args=(stop, interval_s), name="rdma plugin",
                                      daemon=True).start()
+                if foreign is not None:
+                    err.print(f"foreign cards: from {escape(str(pod_resources))}")
+                    threading.Thread(target=foreign.run, args=(stop, interval_s), name="foreign cards",
+                                     daemon=True).start()
                 plugin.run(stop, interval_s)
         except KeyboardInterrupt:
             pass
@@ -146,6 +159,8 @@ def register(app: typer.Typer) -> None:
             plugin.stop()
             if rdma is not None:
                 rdma.stop()
+            if foreign is not None:
+                foreign.client.close()
             backend.close()
 
     @app.command("mig-apply")
