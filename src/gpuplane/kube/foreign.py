@@ -18,7 +18,8 @@ node as held, since it cannot tell which one is.
 
 The safety net (`holds_unreported`): a node whose allocatable offers a foreign GPU resource (`nvidia.com/gpu`,
 `nvidia.com/mig-*`, …) has another GPU stack beside gpuplane; until its node agent has published a report, the codec
-counts all of its cards as held, so no card is promised twice while the report is missing.
+counts all of its cards as held, so no card is promised twice while the report is missing. A node whose other
+stack is DRA alone offers no such resource: it is covered from the agent's first report on.
 """
 
 from __future__ import annotations
