@@ -363,3 +363,40 @@ def test_the_command_schedules_as_a_separate_process(server: FakeApiServer, tmp_
         child.send_signal(signal.SIGTERM)
         child.wait(timeout=WAIT_S)
     assert child.returncode == 0
+
+
+def test_a_leader_that_loses_its_lease_stops_deciding(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=8))
+    clock = Clock()
+    config = LeaseConfig("gpuplane-system", "gpuplane-scheduler", "a")
+    mode = make(server, clock=clock, elector=LeaseElector(server.api, config, clock.now))
+    mode.tick()
+    assert mode.leading
+
+    def taken(lease: dict[str, Any]) -> None:  # another replica took the lease (say we were partitioned)
+        lease["spec"]["holderIdentity"] = "b"
+
+    server.mutate("leases", "gpuplane-system/gpuplane-scheduler", taken)
+    clock.t += config.retry_period_s  # the next renewal reads the lease and sees b holding it
+    mode.tick()
+    assert not mode.leading and mode.cluster is None
+    server.api.create(PODS, pod("p0", cards=1))
+    for _ in range(10):  # a standby never decides, however often it ticks
+        mode.tick()
+    assert bound(server, "p0") is None and writes_to(server, "p0") == []
+    mode.shutdown()
+
+
+def test_a_bind_the_api_refuses_releases_the_cards_and_the_pod_is_tried_again(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=1))
+    mode = make(server, bind_workers=2)
+    mode.tick()
+    server.fail_next("POST", r"/pods/p0/binding$", 409, "Conflict")  # the first Binding is refused
+    server.api.create(PODS, pod("p0", cards=1))
+    settle([mode], lambda: bool(events(server, "p0", "FailedScheduling")))
+    (event,) = events(server, "p0", "FailedScheduling")
+    assert "binding default/p0 to n0 refused" in event["note"]
+    # The refusal released the one card and queued the pod again: it takes the card again and binds.
+    settle([mode], lambda: bound(server, "p0") == "n0")
+    assert [w for w in writes_to(server, "p0") if w[1] == "/binding"] == [("POST", "/binding")] * 2
+    mode.shutdown()

@@ -320,7 +320,7 @@ class SchedulerPort:
     """
 
     def __init__(self, cluster: KubeCluster, scheduler_name: str, declarations: DeclarationSource, *,
-                 lanes: Lanes | None, recorder: Recorder, on_bind_failed: Callable[[str, Status], None],
+                 lanes: Lanes | None, recorder: Recorder, on_bind_failed: Callable[[str, Status, str | None], None],
                  on_gone: Callable[[str], None]) -> None:
         self.cluster = cluster
         self.scheduler_name = scheduler_name
@@ -525,7 +525,7 @@ class SchedulerPort:
                         self.waiting_for_group[pod] = info
                     else:
                         self._deliver(ClusterEvent(EventKind.POD_ADDED, now, pod=admitted))
-                    self._on_bind_failed(pod, status)
+                self._on_bind_failed(pod, status, view.request.gang)
 
     # -------------------------------------------------------------- the rest of the port
     def create_pod(self, request: PodRequest) -> Status:
@@ -779,10 +779,20 @@ class SchedulerMode:
         if self._term is not None:
             self._term.preemption.diagnoses.pop(pod, None)
 
-    def _on_bind_failed(self, pod: str, status: Status) -> None:
+    def _on_bind_failed(self, pod: str, status: Status, gang: str | None) -> None:
+        """An asynchronous bind the API refused (its reservation is released already): say so on the pod, and
+        never leave its gang running in part (the members bound already are evicted, as the core does when a
+        gang's synchronous bind fails)."""
         term = self._term
-        if term is not None:
+        if term is None:
+            return
+        if term.cluster.get_pod(pod) is not None:
             self._write_failure(term, pod, "SchedulerError", status.message, None)
+        if gang is None:
+            return
+        for name, binding in list(term.scheduler.state.bindings.items()):
+            if binding.request.gang == gang and name != pod:
+                term.port.evict(name, grace_s=0.0, reason="gang could not start whole")
 
     def _report_unreadable(self, term: _Term) -> None:
         """Our pending pods the codec cannot read (a field it refuses, a constraint not implemented) get the
