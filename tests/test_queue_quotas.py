@@ -73,9 +73,11 @@ def bound(outcomes: dict[str, Outcome]) -> int:
 @pytest.mark.parametrize(
     ("quota", "pods", "bound_count", "usage"),
     [
-        # H100 max 2: six 1-card pods that may run anywhere: 2 on H100 at most, the rest on A100.
-        (QueueQuota("q", models=(ModelQuota(H100, max_gpus=2),)), [queued(f"p{i}", "q", 1) for i in range(6)],
-         6, None),
+        # H100 max 2: six 1-card pods that may run anywhere, after a pod of no queue that makes binpack prefer
+        # the H100 node: 2 of them there at most, the rest on A100.
+        (QueueQuota("q", models=(ModelQuota(H100, max_gpus=2),)),
+         [queued("other", None, 1, H100), *(queued(f"p{i}", "q", 1) for i in range(6))],
+         7, {("q", H100): 2000, ("q", A100): 4000}),
         # The same cap with pods that ask for H100 only: 2 bound, 4 held (refused on the model, not the queue).
         (QueueQuota("q", models=(ModelQuota(H100, max_gpus=2),)),
          [queued(f"p{i}", "q", 1, H100) for i in range(6)], 2, {("q", H100): 2000}),
@@ -245,3 +247,52 @@ def test_load_quotas_names_the_file_and_field_of_a_bad_model_share(tmp_path: Pat
     with pytest.raises(QuotaError) as raised:
         load_quotas(path, CATALOG)
     assert str(raised.value).startswith(f"{path}:") and fragment in str(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------- gangs, preemption
+@pytest.mark.parametrize(
+    ("shares", "placed_on"),
+    [
+        # 3 members × 2 cards = 6 > H100's 4: the whole gang goes to the A100 node, never split across the cap.
+        ((ModelQuota(H100, max_gpus=4),), "a"),
+        # Both models capped below the gang's 6: nothing is placed, the members are parked with the reason.
+        ((ModelQuota(H100, max_gpus=4), ModelQuota(A100, max_gpus=5)), None),
+    ],
+)
+def test_a_gang_is_placed_whole_within_its_queues_model_shares(shares: tuple[ModelQuota, ...],
+                                                               placed_on: str | None) -> None:
+    cluster, scheduler = world(*two_models(), quotas=Quotas([QueueQuota("q", models=shares)]))
+    submit(cluster, scheduler, [queued("other", None, 1, H100)])  # binpack now prefers the H100 node
+    members = [replace(queued(f"g{i}", "q", 2), gang="g", gang_size=3) for i in range(3)]
+    outcomes = submit(cluster, scheduler, members)
+    nodes = {b.assignment.node for n, b in cluster.state.bindings.items() if n != "other"}
+    if placed_on is None:
+        assert nodes == set()
+        assert all(o.decision.status.code is Code.UNSCHEDULABLE for o in outcomes.values())
+        assert all("no card model left within the queue quotas" in o.decision.status.message
+                   for o in outcomes.values())
+    else:
+        assert nodes == {placed_on} and len(cluster.state.bindings) == 4
+
+
+def test_preemption_never_takes_a_pod_onto_a_model_beyond_its_queues_share() -> None:
+    # q holds its 2 H100 cards (its share); the A100 node is full of low-priority pods of no queue; 6 H100
+    # cards are idle. A high-priority pod of q may not use them: it preempts on the A100 node instead.
+    quota = QueueQuota("q", models=(ModelQuota(H100, max_gpus=2),))
+    cluster, scheduler = world(*two_models(), quotas=Quotas([quota]))
+    submit(cluster, scheduler, [queued("h0", "q", 1, H100), queued("h1", "q", 1, H100)])
+    submit(cluster, scheduler, [replace(queued(f"low{i}", None, 1, A100), priority=0) for i in range(8)])
+    assert model_usage(cluster) == {("q", H100): 2000}
+    outcome = submit(cluster, scheduler, [replace(queued("urgent", "q", 1), priority=100)])["urgent"]
+    cluster.loop.run(until=1.0)
+    scheduler.run_pending()
+    assert outcome.decision.status.code in (Code.SUCCESS, Code.WAIT)
+    assert node_of(cluster, "urgent") == "a"
+    assert model_usage(cluster) == {("q", H100): 2000, ("q", A100): 1000}
+    assert len([n for n in cluster.state.bindings if n.startswith("low")]) == 7  # one evicted
+
+
+def node_of(cluster: SimCluster, name: str) -> str:
+    binding = cluster.state.bindings.get(name)
+    assert binding is not None, f"{name} is not bound"
+    return binding.assignment.node

@@ -455,7 +455,7 @@ class Scheduler:
             return decision
         self.stats.attempts += 1
         if self._past_backfill(pod):
-            done = self._preempt_past_backfill(entry, decision)
+            done = self._preempt_past_backfill(entry, decision, scoped)
             if done is not None:
                 return done
         result = self.preemption.plan(scoped, self.state, self._victim_rules(pod, []), decision.diagnosis,
@@ -508,13 +508,16 @@ class Scheduler:
                 and pod.preempts and self.rules.preemption and not self.is_backfill(pod)
                 and len(shadow.bindings) != len(self.state.bindings))
 
-    def _preempt_past_backfill(self, entry: QueuedPod, decision: Decision) -> Decision | None:
+    def _preempt_past_backfill(self, entry: QueuedPod, decision: Decision,
+                               scoped: PodRequest | None = None) -> Decision | None:
         """Preempt as if backfill were not there: victims chosen on the shadow among the pods above the
-        backfill, then the backfill in the way of the placement. None: no such plan (try the whole cache)."""
+        backfill, then the backfill in the way of the placement. None: no such plan (try the whole cache).
+        `scoped`: the pod as its queue quota leaves it (`_within_models`), for the search."""
         pod = entry.request
         assert self.shadow is not None
-        result = self.preemption.plan(pod, self.shadow, self._victim_rules(pod, [], self.shadow),
-                                      decision.diagnosis, within=self._held(pod))
+        result = self.preemption.plan(pod if scoped is None else scoped, self.shadow,
+                                      self._victim_rules(pod, [], self.shadow), decision.diagnosis,
+                                      within=self._held(pod))
         plan = result.plan
         if plan is None or plan.decision.assignment is None:
             return None
