@@ -400,3 +400,54 @@ def test_a_bind_the_api_refuses_releases_the_cards_and_the_pod_is_tried_again(se
     settle([mode], lambda: bound(server, "p0") == "n0")
     assert [w for w in writes_to(server, "p0") if w[1] == "/binding"] == [("POST", "/binding")] * 2
     mode.shutdown()
+
+
+# ------------------------------------------------------------------ declarations
+PODGROUPS = "/apis/scheduling.x-k8s.io/v1alpha1/namespaces/default/podgroups"
+
+
+def test_a_gang_waits_for_its_pod_group_then_goes_all_or_nothing(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=4))
+    mode = make(server)
+    mode.tick()
+    members = [f"w{i}" for i in range(3)]
+    for name in members:
+        member = pod(name, cards=1)
+        member["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] = "train"
+        server.api.create(PODS, member)
+    # No PodGroup yet: the members stay out of the queue (coscheduling's PreEnqueue), nothing is written.
+    settle([mode], lambda: mode.port is not None and len(mode.port.waiting_for_group) == 3)
+    assert mode.scheduler is not None and len(mode.scheduler.queue) == 0
+    assert all(writes_to(server, name) == [] for name in members)
+    # minMember 4 > the 3 members: the gang is admitted and waits for a fourth; 3 of 4 cards stay free.
+    server.add_object(PODGROUPS, {"apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+                                  "metadata": {"name": "train", "namespace": "default"}, "spec": {"minMember": 4}})
+    settle([mode], lambda: all(events(server, name, "FailedScheduling") for name in members))
+    assert all(bound(server, name) is None for name in members)
+    assert events(server, "w0", "FailedScheduling")[0]["note"] == (
+        "0/1 nodes are available: gang default/train: 3 of 4 members submitted.")
+    # The fourth member arrives: all four bind at once, one card each.
+    fourth = pod("w3", cards=1)
+    fourth["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] = "train"
+    server.api.create(PODS, fourth)
+    settle([mode], lambda: all(bound(server, f"w{i}") == "n0" for i in range(4)))
+    mode.shutdown()
+
+
+def test_a_queue_at_its_maximum_holds_its_pods(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=4))
+    server.add_object("/apis/gpuplane.io/v1alpha1/queues", {"apiVersion": "gpuplane.io/v1alpha1", "kind": "Queue",
+                                                            "metadata": {"name": "research"},
+                                                            "spec": {"minGpus": 1, "maxGpus": 2}})
+    mode = make(server)
+    mode.tick()
+    for i in range(3):
+        member = pod(f"q{i}", cards=1)
+        member["metadata"]["labels"]["gpuplane.io/queue"] = "research"
+        server.api.create(PODS, member)
+    settle([mode], lambda: bool(events(server, "q2", "FailedScheduling")))
+    # Two of the queue's pods run (its maximum, 2 GPUs); the third waits although 2 cards are idle.
+    assert [bound(server, f"q{i}") for i in range(3)] == ["n0", "n0", None]
+    assert events(server, "q2", "FailedScheduling")[0]["note"] == (
+        "0/1 nodes are available: queue research at its maximum: 2 of 2 GPUs in use, 1 more asked.")
+    mode.shutdown()
