@@ -16,8 +16,11 @@ import pytest
 from builders import CATALOG, pod
 from gpuplane.kube.crds import ResourceError, parse_resource
 from gpuplane.kube.declarations import POD_GROUP_PATH, Declarations, parse_pod_group, with_pool_queue
-from gpuplane.kube.localapi import FakeApiServer
+from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.model import ModelQuota, QueueQuota, Quotas
+from test_kube_scheduler_mode import PODS, bound, settle
+from test_kube_scheduler_mode import condition as scheduled_condition
+from test_kube_scheduler_mode import make as make_scheduler
 
 QUEUES = "/apis/gpuplane.io/v1alpha1/queues"
 POOLS = "/apis/gpuplane.io/v1alpha1/gpupools"
@@ -232,3 +235,80 @@ def test_the_operator_writes_each_queues_valid_condition() -> None:
             assert bad["message"].startswith("spec.models.Z9: unknown GPU model 'Z9'")
         finally:
             op.shutdown()
+
+
+# ------------------------------------------------------------------ through gpuplane-scheduler (scheduler mode)
+def gpu_pod(name: str, cards: int, labels: dict[str, str] | None = None,
+            selector: dict[str, str] | None = None) -> dict[str, Any]:
+    obj = pod_json(name, limits={"gpuplane.io/gpu": str(cards)}, labels=labels)
+    obj["spec"]["schedulerName"] = "gpuplane"
+    if selector:
+        obj["spec"]["nodeSelector"] = selector
+    return obj
+
+
+def held_message(fake: FakeApiServer, name: str) -> str:
+    """The PodScheduled=False message of a pod the scheduler decided not to bind ('' before it decides)."""
+    found = scheduled_condition(fake, name)
+    return "" if found is None or found["status"] != "False" else str(found["message"])
+
+
+def test_a_queues_maximum_holds_its_pods_until_one_leaves_or_the_queue_grows() -> None:
+    with FakeApiServer() as fake:
+        fake.add_node(node_json("n0", cards=4))
+        fake.add_object(QUEUES, queue("q", maxGpus=1))
+        mode = make_scheduler(fake)
+        try:
+            mode.tick()
+            for name in ("a", "b", "c"):
+                fake.api.create(PODS, gpu_pod(name, 1, {"gpuplane.io/queue": "q"}))
+            settle([mode], lambda: bound(fake, "a") is not None and bool(held_message(fake, "c")))
+            assert bound(fake, "b") is None and bound(fake, "c") is None
+            assert "queue q at its maximum: 1 of 1 GPUs in use, 1 more asked" in held_message(fake, "b")
+            fake.mutate("queues", "q", lambda obj: obj["spec"].update(maxGpus=2))  # the Queue grows: b or c runs
+            settle([mode], lambda: sum(bound(fake, n) is not None for n in "abc") == 2)
+            fake.api.delete(f"{PODS}/a")  # a leaves: the last one runs
+            settle([mode], lambda: bound(fake, "b") is not None and bound(fake, "c") is not None)
+        finally:
+            mode.shutdown()
+
+
+def test_a_pod_group_makes_its_pods_a_gang_that_starts_whole() -> None:
+    with FakeApiServer() as fake:
+        fake.add_node(node_json("n0", cards=4))
+        mode = make_scheduler(fake)
+        try:
+            mode.tick()
+            member = {"scheduling.x-k8s.io/pod-group": "train"}
+            fake.api.create(PODS, gpu_pod("w0", 1, member))
+            fake.api.create(PODS, gpu_pod("w1", 1, member))
+            # No PodGroup yet: once the scheduler has seen both members, a pass binds neither (size unknown).
+            settle([mode], lambda: mode.cluster is not None and all(
+                mode.cluster.pods.get(f"default/{n}") is not None for n in ("w0", "w1")))
+            mode.tick()
+            mode.flush()
+            assert bound(fake, "w0") is None and bound(fake, "w1") is None
+            fake.add_object("/apis/scheduling.x-k8s.io/v1alpha1/namespaces/default/podgroups",
+                            pod_group("train", "default", minMember=3))
+            settle([mode], lambda: "gang default/train: 2 of 3 members submitted" in held_message(fake, "w0"))
+            assert bound(fake, "w0") is None and bound(fake, "w1") is None  # capacity for both: still all or none
+            fake.api.create(PODS, gpu_pod("w2", 1, member))
+            settle([mode], lambda: all(bound(fake, n) is not None for n in ("w0", "w1", "w2")))
+        finally:
+            mode.shutdown()
+
+
+def test_a_gpu_pools_quota_holds_the_pods_that_select_the_pool() -> None:
+    with FakeApiServer() as fake:
+        fake.add_node(node_json("d0", cards=4, labels={"gpuplane.io/pool": "dev"}))
+        fake.add_object(POOLS, pool("dev", quota={"maxGpus": 1}))
+        mode = make_scheduler(fake)
+        try:
+            mode.tick()
+            in_dev = {"gpuplane.io/pool": "dev"}
+            fake.api.create(PODS, gpu_pod("a", 1, selector=in_dev))
+            fake.api.create(PODS, gpu_pod("b", 1, selector=in_dev))
+            settle([mode], lambda: bound(fake, "a") is not None and bool(held_message(fake, "b")))
+            assert "queue dev at its maximum" in held_message(fake, "b")  # the pool's quota, by its name
+        finally:
+            mode.shutdown()
