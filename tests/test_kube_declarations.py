@@ -67,6 +67,7 @@ def test_a_pod_group_gives_its_gang_size_and_timeout_and_follows_edits_and_delet
         with declarations(fake) as (decl, changed):
             assert decl.gang_size("team", "train") == 4
             assert decl.gang_timeout_s("team", "train") == 120.0
+            assert decl.gang_timeouts() == {"team/train": 120.0}  # as SchedulingRules.gang_timeouts takes them
             assert decl.gang_size("other", "train") is None  # PodGroups are namespaced
             assert decl.gang_size("team", "unknown") is None  # not declared yet: its pods wait
             changed.clear()

@@ -167,6 +167,12 @@ class Declarations:
             found = self._groups.get(f"{namespace}/{group}")
         return found.timeout_s if found is not None else None
 
+    def gang_timeouts(self) -> dict[str, float]:
+        """`namespace/group` → scheduleTimeoutSeconds of each PodGroup that sets one (for
+        `SchedulingRules.gang_timeouts`)."""
+        with self._lock:
+            return {key: g.timeout_s for key, g in self._groups.items() if g.timeout_s is not None}
+
     def with_pool_queue(self, request: PodRequest) -> PodRequest:
         return with_pool_queue(request, self.quotas())
 

@@ -84,6 +84,8 @@ class SchedulingRules:
     """Grace period of a victim whose pod names no priority class."""
     gang_timeout_s: float = 600.0
     """How long the first member of a gang waits for the others before the gang is failed."""
+    gang_timeouts: Mapping[str, float] = field(default_factory=dict)
+    """Per gang, its own timeout in place of `gang_timeout_s` (a PodGroup's scheduleTimeoutSeconds)."""
     network_block_label: str = NETWORK_BLOCK_LABEL
     max_blocks_tried: int = 4
     """Network blocks a gang tries to fit into alone, biggest free first, before it may span blocks."""
@@ -834,7 +836,8 @@ class Scheduler:
                         if taken is not None:
                             self.queue.requeue(taken)
         for gang, wait in list(self._gangs.items()):
-            if now - wait.first_seen <= self.rules.gang_timeout_s:
+            timeout = self.rules.gang_timeouts.get(gang, self.rules.gang_timeout_s)
+            if now - wait.first_seen <= timeout:
                 continue
             members = list(wait.members.values())
             present = len(members)
@@ -842,7 +845,7 @@ class Scheduler:
                 continue
             del self._gangs[gang]
             size = members[0].request.gang_size
-            reason = (f"gang {gang} timed out after {self.rules.gang_timeout_s:g} s with {present} of {size} "
+            reason = (f"gang {gang} timed out after {timeout:g} s with {present} of {size} "
                       f"members submitted")
             self.stats.gangs_failed += 1
             for entry in members:
