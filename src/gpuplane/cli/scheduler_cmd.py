@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
             "CSV, as `simulate --trace` reads it (needed by fgd and fgd-online)"))] = None,
         pools: Annotated[Path | None, typer.Option(help="pool settings (YAML, as `simulate --pools`)")] = None,
         bind_workers: Annotated[int, typer.Option(min=0, help="threads making the API calls of binds, "
-                                                              "conditions and events")] = 8,
+                                                              "conditions and events")] = 4,
         sync_binds: Annotated[bool, typer.Option("--sync-binds", help=(
             "bind on the deciding thread, one API round trip after another (the parity experiment)"))] = False,
         leader_elect: Annotated[bool, typer.Option("--leader-elect/--no-leader-elect",

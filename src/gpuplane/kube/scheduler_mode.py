@@ -581,7 +581,7 @@ class SchedulerMode:
     def __init__(self, api: KubeApi, profile: Profile, *, catalog: Catalog | None = None, seed: int = 0,
                  pools: Mapping[str, PoolConfig] | None = None, rules: SchedulingRules | None = None,
                  scheduler_name: str = DEFAULT_SCHEDULER_NAME, elector: LeaseElector | None = None,
-                 clock: Clock | None = None, bind_workers: int = 8, identity: str = "gpuplane",
+                 clock: Clock | None = None, bind_workers: int = 4, identity: str = "gpuplane",
                  declarations: DeclarationsFactory = default_declarations,
                  cluster_factory: ClusterFactory | None = None) -> None:
         self.api = api
@@ -732,21 +732,22 @@ class SchedulerMode:
             return True
         name = outcome.request.name
         decision = outcome.decision
+        planned_from = term.preemption.diagnoses.pop(name, None)  # kept no longer than this outcome
         if decision.status.ok:
             self._written.pop(name, None)
-            term.preemption.diagnoses.pop(name, None)
             return True
         nominated = decision.assignment.node if (decision.status.code is Code.WAIT
                                                  and decision.assignment is not None) else None
-        message = self._message(term, outcome.request, decision, nominated is not None)
+        message = self._message(term, outcome.request, decision, planned_from if nominated else None)
         self._write_failure(term, name, "Unschedulable", message, nominated)
         return True
 
-    def _message(self, term: _Term, request: PodRequest, decision: Decision, nominated: bool) -> str:
+    def _message(self, term: _Term, request: PodRequest, decision: Decision,
+                 planned_from: Diagnosis | None) -> str:
+        """kube-scheduler's message for `decision`; `planned_from`: a nominated pod's failed cycle."""
         total = term.scheduler.state.size
-        diagnosis = decision.diagnosis
-        if nominated:
-            diagnosis = term.preemption.diagnoses.get(request.name)
+        nominated = planned_from is not None
+        diagnosis = planned_from if nominated else decision.diagnosis
         if diagnosis is None:  # a prefilter-like refusal (a gang assembling, a queue at its quota, a refusal)
             return fit_error_message(total, {}, prefilter=decision.status.message.rstrip("."))
         postfilter = ""
@@ -776,8 +777,6 @@ class SchedulerMode:
 
     def _forget(self, pod: str) -> None:
         self._written.pop(pod, None)
-        if self._term is not None:
-            self._term.preemption.diagnoses.pop(pod, None)
 
     def _on_bind_failed(self, pod: str, status: Status, gang: str | None) -> None:
         """An asynchronous bind the API refused (its reservation is released already): say so on the pod, and
