@@ -199,40 +199,39 @@ class Declarations:
             log.warning("%s: %s", what, error)
 
     def _queue(self, key: str, obj: JsonObject | None) -> bool:
-        quota: QueueQuota | None = None
-        error: str | None = None
-        if obj is not None:
-            try:
-                resource = parse_resource(obj, self.catalog)
-                assert isinstance(resource.spec, QueueSpec)
-                quota = resource.spec.quota(resource.name, self.catalog)
-            except ResourceError as exc:
-                error = f"invalid, not applied: {exc}"
-        self._report(f"Queue/{key}", error)
-        if quota is None:
-            self._queues.pop(key, None)
-        else:
-            self._queues[key] = quota
-        return self._rebuild()
+        return self._quota_from(self._queues, f"Queue/{key}", key, obj, self._queue_quota, "invalid, not applied")
 
     def _pool(self, key: str, obj: JsonObject | None) -> bool:
+        return self._quota_from(self._pools, f"GpuPool/{key}", key, obj, self._pool_quota,
+                                "invalid, its quota is not applied")
+
+    def _queue_quota(self, obj: JsonObject) -> QueueQuota:
+        resource = parse_resource(obj, self.catalog)
+        assert isinstance(resource.spec, QueueSpec)
+        return resource.spec.quota(resource.name, self.catalog)
+
+    def _pool_quota(self, obj: JsonObject) -> QueueQuota | None:
+        resource = parse_resource(obj, self.catalog)
+        assert isinstance(resource.spec, GpuPoolSpec)
+        q = resource.spec.quota
+        return None if q is None else QueueQuota(resource.name, float(q.min_gpus),
+                                                 None if q.max_gpus is None else float(q.max_gpus))
+
+    def _quota_from(self, table: dict[str, QueueQuota], what: str, key: str, obj: JsonObject | None,
+                    parse: Callable[[JsonObject], QueueQuota | None], invalid: str) -> bool:
+        """Keep `obj`'s quota (None: deleted, invalid or without one) in `table`; whether quotas() changed."""
         quota: QueueQuota | None = None
         error: str | None = None
         if obj is not None:
             try:
-                resource = parse_resource(obj, self.catalog)
-                assert isinstance(resource.spec, GpuPoolSpec)
-                if resource.spec.quota is not None:
-                    q = resource.spec.quota
-                    quota = QueueQuota(resource.name, float(q.min_gpus),
-                                       None if q.max_gpus is None else float(q.max_gpus))
+                quota = parse(obj)
             except ResourceError as exc:
-                error = f"invalid, its quota is not applied: {exc}"
-        self._report(f"GpuPool/{key}", error)
+                error = f"{invalid}: {exc}"
+        self._report(what, error)
         if quota is None:
-            self._pools.pop(key, None)
+            table.pop(key, None)
         else:
-            self._pools[key] = quota
+            table[key] = quota
         return self._rebuild()
 
     def _rebuild(self) -> bool:
