@@ -35,7 +35,8 @@ ShapeKey = tuple[object, ...]
 def shape_key(request: PodRequest) -> ShapeKey:
     """What decides where a pod fits: everything but its name, priority and QoS."""
     return (request.cpu_milli, request.memory_mib, request.gpu, request.models, request.rdma_vfs, request.pools,
-            request.tolerations, request.workload, request.instance, request.gang)
+            request.tolerations, request.workload, request.instance, request.gang, request.node_selector,
+            request.required_terms, request.unsupported)
 
 
 _UNBOUNDED = np.iinfo(np.int64).max // 4
