@@ -313,3 +313,25 @@ def test_a_gpu_pools_quota_holds_the_pods_that_select_the_pool() -> None:
             assert "queue dev at its maximum" in held_message(fake, "b")  # the pool's quota, by its name
         finally:
             mode.shutdown()
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"maxGpus": 16, "models": {"H100": {"minGpus": 8, "maxGpus": 16}}, "lend": False}, None),
+    ({"models": {"H100": {"minGpus": 3, "maxGpus": 2}}}, "Queue/q: spec.models.H100.minGpus: 3 is above maxGpus 2"),
+    ({"minGpus": 1, "models": {"A100": {"minGpus": 2}}}, "Queue/q: spec.minGpus: 1 is below the sum"),
+    ({"models": {"Z9000": {}}}, "Queue/q: spec.models.Z9000: unknown GPU model 'Z9000'"),
+])
+def test_the_webhook_refuses_a_bad_queue_naming_the_field(spec: dict[str, Any], message: str | None) -> None:
+    from gpuplane.kube.webhook import WebhookServer
+    from test_kube_webhook import POLICY, response, review
+
+    server = WebhookServer(POLICY).start()
+    try:
+        for operation in ("CREATE", "UPDATE"):
+            answer = response(server.url, review(operation, queue("q", **spec), old=queue("q"),
+                                                 kind=("gpuplane.io", "v1alpha1", "Queue")))
+            assert answer["allowed"] is (message is None)
+            if message is not None:
+                assert answer["status"]["message"].startswith(message)
+    finally:
+        server.stop()
