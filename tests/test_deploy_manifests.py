@@ -181,12 +181,14 @@ def _check_scheduler_config(config: Doc) -> None:
     assert isinstance(ext.get("ignorable", False), bool)
     if "httpTimeout" in ext:
         assert DURATION.match(str(ext["httpTimeout"])), ext["httpTimeout"]
-    managed = {m["name"]: m.get("ignoredByScheduler", False) for m in ext["managedResources"]}
-    assert len(managed) == len(ext["managedResources"]), "managed resource names must be unique"
-    assert set(managed) == set(MANAGED_RESOURCES)
+    # No managedResources: kube-scheduler asks the extender about every pod of the profile, GPU or not.
+    assert not ext.get("managedResources")
     # gpuplane.io/gpu is advertised by the device plugin, so NodeResourcesFit may count it; the others
     # exist on no node and must be ignored by the scheduler or no pod asking for them would ever fit.
-    assert managed == {name: name != RES_GPU for name in MANAGED_RESOURCES}
+    (profile,) = config["profiles"]
+    fit = [c for c in profile.get("pluginConfig", []) if c["name"] == "NodeResourcesFit"]
+    assert len(fit) == 1 and set(fit[0]["args"]) == {"ignoredResources"}
+    assert sorted(fit[0]["args"]["ignoredResources"]) == sorted(n for n in MANAGED_RESOURCES if n != RES_GPU)
 
 
 def test_scheduler_config_is_a_valid_component_config() -> None:

@@ -872,9 +872,12 @@ def test_sample_kube_scheduler_configuration() -> None:
     (extender,) = config["extenders"]
     assert extender["urlPrefix"] == "http://127.0.0.1:8888/gpuplane"
     assert extender["weight"] > 0 and extender["nodeCacheCapable"] is True and extender["ignorable"] is False
-    managed = {m["name"]: m["ignoredByScheduler"] for m in extender["managedResources"]}
-    assert set(managed) == set(MANAGED_RESOURCES)
-    assert managed == {name: name != RES_GPU for name in MANAGED_RESOURCES}
+    # No managedResources: kube-scheduler calls the extender for every pod of the profile (IsInterested), GPU or
+    # not. NodeResourcesFit counts gpuplane.io/gpu (the device plugin advertises it) and ignores the rest.
+    assert "managedResources" not in extender
+    (fit,) = config["profiles"][0]["pluginConfig"]
+    assert fit == {"name": "NodeResourcesFit",
+                   "args": {"ignoredResources": [name for name in MANAGED_RESOURCES if name != RES_GPU]}}
     verbs = [extender[f"{verb}Verb"] for verb in ("filter", "prioritize", "bind", "preempt")]
     assert verbs == list(VERBS)
     # Every verb the configuration names is served at urlPrefix/verb.

@@ -27,6 +27,7 @@ from gpuplane.kube.standin import (
     extender_weighted,
     fill_through_extender,
     least_allocated,
+    managed_by,
     matches_node,
     num_feasible_nodes_to_find,
     pod_requests,
@@ -290,10 +291,10 @@ def test_extended_resources_are_counted_against_allocatable_and_ignored_ones_are
     node = node_json("n1")
     node["status"]["allocatable"][RES_GPU] = "2"
     server.add_node(node)
-    standin = StandInScheduler(client, {**scheduler_config(), "extenders": [
-        {**scheduler_config()["extenders"][0], "filterVerb": "", "prioritizeVerb": "", "bindVerb": ""}]}).start()
+    standin = StandInScheduler(client, no_extender()).start()  # gpuplane's pluginConfig, no extender
     try:
-        # gpucores is ignoredByScheduler (no node advertises it); gpuplane.io/gpu counts: 2 fit, the third does not
+        # gpucores is in NodeResourcesFit's ignoredResources (no node advertises it); gpuplane.io/gpu counts:
+        # 2 fit, the third does not
         for i in range(2):
             pod = client.create(pod_path("default"), pod_json(f"p{i}", limits={RES_GPU: "1", RES_CORES: "50"}))
             assert standin.schedule_one(pod).node == "n1"
@@ -302,6 +303,45 @@ def test_extended_resources_are_counted_against_allocatable_and_ignored_ones_are
         assert ERR_AFFINITY not in third.message
     finally:
         standin.close()
+
+
+@pytest.mark.parametrize(("plugin_config", "extender_ignores", "counted"), [
+    # the args' ignoredResources
+    ([{"name": "NodeResourcesFit", "args": {"ignoredResources": ["example.com/a"]}}], [], "example.com/b"),
+    # a whole group (the part before the slash)
+    ([{"name": "NodeResourcesFit", "args": {"ignoredResourceGroups": ["example.com"]}}], [], "other.io/b"),
+    # the extenders' ignoredByScheduler resources replace the args' (buildExtenders)
+    ([{"name": "NodeResourcesFit", "args": {"ignoredResources": ["example.com/b"]}}], ["example.com/a"],
+     "example.com/b"),
+])
+def test_ignored_resources(api: tuple[FakeApiServer, RestKubeApi], plugin_config: list[dict[str, Any]],
+                           extender_ignores: list[str], counted: str) -> None:
+    _, client = api
+    config = no_extender()
+    config["profiles"][0]["pluginConfig"] = plugin_config
+    if extender_ignores:
+        config["extenders"] = [{"urlPrefix": "http://127.0.0.1:1/x", "managedResources": [
+            {"name": name, "ignoredByScheduler": True} for name in extender_ignores]}]
+    standin = StandInScheduler(client, config)
+    assert not standin._ignores(counted)
+    assert standin._ignores("example.com/a")
+    assert not standin._ignores("cpu")
+
+
+def test_other_plugin_configuration_is_refused(api: tuple[FakeApiServer, RestKubeApi]) -> None:
+    _, client = api
+    config = no_extender()
+    config["profiles"][0]["pluginConfig"] = [{"name": "NodeResourcesFit", "args": {
+        "scoringStrategy": {"type": "MostAllocated"}}}]
+    with pytest.raises(StandInError, match=r"pluginConfig\[0\]"):
+        StandInScheduler(client, config)
+
+
+def test_an_extender_without_managed_resources_is_asked_about_every_pod() -> None:
+    cpu_only = pod_json("p", limits={"cpu": "1"})
+    assert managed_by(cpu_only, frozenset())
+    assert not managed_by(cpu_only, frozenset({RES_GPU}))
+    assert managed_by(pod_json("g", limits={RES_GPU: "1"}), frozenset({RES_GPU}))
 
 
 # ------------------------------------------------------------------ the fill through the extender
@@ -322,9 +362,11 @@ def profile_of(policy: str, typical: Any) -> Profile:
 
 @pytest.mark.parametrize("policy", ["binpack", "fgd"])
 def test_fill_through_the_extender_is_the_simulators_pod_by_pod(policy: str) -> None:
-    # GPU pods only: every pod goes through the extender, whose filter answers gpuplane's pick; kube-scheduler,
-    # left with one node, binds there. Same seed, same tuned workload: the same node and cards for every pod.
-    specs, requests, typical = fill_inputs(24, 0, gpu_only=True)
+    # Every pod (CPU-only ones too: the configuration has no managedResources) goes through the extender, whose
+    # filter answers gpuplane's pick; kube-scheduler, left with one node, binds there. Same seed, same tuned
+    # workload: the same node and cards for every pod.
+    specs, requests, typical = fill_inputs(24, 0, gpu_only=False)
+    assert any(not r.gpu_milli_total for r in requests)
     simulated = run_fill(CATALOG, specs, requests, profile_of(policy, typical), seed=42, record_placements=True)
     workload = tune_workload(requests, sum(s.gpus for s in specs) * 1000, 42)  # what run_fill replayed
     through = fill_through_extender(CATALOG, specs, workload, profile_of(policy, typical), seed=42)

@@ -1019,10 +1019,14 @@ def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT
 
     `weight` multiplies our 0…10 scores (×10 on kube-scheduler's 0…100 scale) and must be > 0. `httpTimeout`
     is per call: a filter answers in milliseconds, a bind makes two API calls (the assignment annotation,
-    then the Binding); 5 s is kube-scheduler's default. `managedResources` makes kube-scheduler call us only
-    for pods that ask for gpuplane's resources; all but `gpuplane.io/gpu` (which the device plugin
-    advertises) are `ignoredByScheduler`, as no node advertises them. Its own Lease, so it never contends
-    with the default scheduler (in `lease_namespace`, where the scheduler's RBAC allows Leases).
+    then the Binding); 5 s is kube-scheduler's default. No `managedResources`: kube-scheduler then calls us
+    for every pod of the profile (`IsInterested`), so the pods that chose gpuplane without asking for a GPU
+    are placed by gpuplane too (with `managedResources`, kube-scheduler's own scorers would place them, and
+    spread their CPU over every node). NodeResourcesFit's `ignoredResources` names gpuplane's resources but
+    `gpuplane.io/gpu` (which the device plugin advertises, and kube-scheduler counts against allocatable):
+    no node advertises the others, so counting them would refuse every pod asking for them. Its own Lease, so
+    it never contends with the default scheduler (in `lease_namespace`, where the scheduler's RBAC allows
+    Leases).
     `percentageOfNodesToScore: 100`: kube-scheduler's default stops filtering once it has found
     max(100, n × (50 − n/125) %) feasible nodes (5 % at least), so on a large cluster the extender would see
     only a sample of them (`numFeasibleNodesToFind`); 100 sends every node.
@@ -1035,7 +1039,9 @@ def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT
         "leaderElection": {"leaderElect": True, "resourceLock": "leases", "resourceName": scheduler_name,
                            "resourceNamespace": lease_namespace},
         "percentageOfNodesToScore": 100,
-        "profiles": [{"schedulerName": scheduler_name}],
+        "profiles": [{"schedulerName": scheduler_name, "pluginConfig": [
+            {"name": "NodeResourcesFit", "args": {"ignoredResources": [r for r in MANAGED_RESOURCES if r != RES_GPU]}},
+        ]}],
         "extenders": [{
             "urlPrefix": url_prefix,
             "filterVerb": "filter",
@@ -1047,8 +1053,6 @@ def scheduler_config(url_prefix: str = f"http://127.0.0.1:{DEFAULT_PORT}{DEFAULT
             "httpTimeout": http_timeout,
             "nodeCacheCapable": True,
             "ignorable": False,
-            "managedResources": [{"name": name, "ignoredByScheduler": name != RES_GPU}
-                                 for name in MANAGED_RESOURCES],
         }],
     }
 

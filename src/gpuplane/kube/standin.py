@@ -12,12 +12,13 @@ names in brackets) and nothing guessed:
   pod-level `spec.resources.requests` for CPU and memory, then `spec.overhead`.
 - **Filters** in the default order: NodeUnschedulable, NodeName, TaintToleration (NoSchedule, NoExecute),
   NodeAffinity (nodeSelector and required terms), NodeResourcesFit (pod count, CPU, memory, ephemeral storage and
-  every extended resource such as `gpuplane.io/gpu` against allocatable; the extenders' `ignoredByScheduler`
-  resources are not counted). Nodes are searched from where the last cycle stopped until
+  every extended resource such as `gpuplane.io/gpu` against allocatable; not the resources its args'
+  `ignoredResources`/`ignoredResourceGroups` name, or the extenders' `ignoredByScheduler` ones, which replace the
+  former, as `buildExtenders` does). Nodes are searched from where the last cycle stopped until
   `numFeasibleNodesToFind` fit (`percentageOfNodesToScore`; 0 or absent: the adaptive default).
-- **Extenders** over real HTTP: filter (only when `IsInterested`: a container or init container names a managed
-  resource; `NodeNames` when `nodeCacheCapable`, else a NodeList), its failures recorded, an error failing the
-  pod unless `ignorable`. One feasible node left: it is the host, with no scoring (`schedulePod`).
+- **Extenders** over real HTTP: filter (only when `IsInterested`: no `managedResources`, or a container or init
+  container names one; `NodeNames` when `nodeCacheCapable`, else a NodeList), its failures recorded, an error
+  failing the pod unless `ignorable`. One feasible node left: it is the host, with no scoring (`schedulePod`).
 - **Scoring** (`prioritizeNodes`): the default score plugins with their default weights
   (`default_plugins.go`: TaintToleration 3, NodeAffinity 2, NodeResourcesFit 1 (LeastAllocated over CPU and
   memory, weight 1 each, on `NonZeroRequested`), PodTopologySpread 2, InterPodAffinity 2,
@@ -626,10 +627,10 @@ class StandInScheduler:
         profile = (config.get("profiles") or [{}])[0]
         if profile.get("percentageOfNodesToScore") is not None:
             self.percentage = int(profile["percentageOfNodesToScore"])
-        if profile.get("plugins") or profile.get("pluginConfig"):
-            raise StandInError("profiles[0].plugins/pluginConfig: only the default plugins are implemented")
+        if profile.get("plugins"):
+            raise StandInError("profiles[0].plugins: only the default plugins are implemented")
         self.weights = dict(weights or DEFAULT_SCORE_WEIGHTS)
-        self.ignored = frozenset(name for e in self.extenders for name in e.config.ignored)
+        self.ignored, self.ignored_groups = _fit_ignored(profile.get("pluginConfig") or [], self.extenders)
         self.rng = random.Random(seed)
         self.next_start = 0
 
@@ -663,11 +664,17 @@ class StandInScheduler:
         if node.pods + 1 > node.allocatable.get("pods", 0):
             return ERR_TOO_MANY_PODS
         short = [name for name, want in requests.items()
-                 if want > 0 and name not in self.ignored and name != "pods"
+                 if want > 0 and name != "pods" and not self._ignores(name)
                  and want > node.allocatable.get(name, 0) - node.requested.get(name, 0)]
         if short:
             return ", ".join(f"Insufficient {name}" for name in sorted(short))
         return None
+
+    def _ignores(self, resource: str) -> bool:
+        """NodeResourcesFit's `ignoredResources` and `ignoredResourceGroups` (extended resources only)."""
+        if resource in ("cpu", "memory", "ephemeral-storage") or resource.startswith("hugepages-"):
+            return False
+        return resource in self.ignored or resource.split("/", 1)[0] in self.ignored_groups
 
     def _find_feasible(self, pod: Mapping[str, Any], nodes: Sequence[_Node],
                        failures: dict[str, str]) -> list[_Node]:
@@ -838,6 +845,25 @@ class StandInScheduler:
         except ApiError as exc:
             return str(exc)
         return ""
+
+
+def _fit_ignored(plugin_config: Sequence[Mapping[str, Any]], extenders: Sequence[ExtenderClient]
+                 ) -> tuple[frozenset[str], frozenset[str]]:
+    """The resources and resource groups NodeResourcesFit ignores: its args' `ignoredResources` and
+    `ignoredResourceGroups`, the extenders' `ignoredByScheduler` resources replacing the former when there are any
+    (`buildExtenders`). StandInError for any other plugin configuration."""
+    resources: frozenset[str] = frozenset()
+    groups: frozenset[str] = frozenset()
+    for i, entry in enumerate(plugin_config):
+        args = entry.get("args") or {}
+        other = set(args) - {"ignoredResources", "ignoredResourceGroups"}
+        if entry.get("name") != "NodeResourcesFit" or other:
+            raise StandInError(f"profiles[0].pluginConfig[{i}]: only NodeResourcesFit's ignoredResources and "
+                               "ignoredResourceGroups are implemented")
+        resources = frozenset(str(r) for r in args.get("ignoredResources") or [])
+        groups = frozenset(str(g) for g in args.get("ignoredResourceGroups") or [])
+    from_extenders = frozenset(name for e in extenders for name in e.config.ignored)
+    return (from_extenders or resources), groups
 
 
 def _fit_message(total: int, failures: Mapping[str, str]) -> str:
