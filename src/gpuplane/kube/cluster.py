@@ -58,6 +58,7 @@ from gpuplane.kube.objects import (
     RES_MEM,
     RES_MEM_PCT,
     RES_RDMA,
+    SCHEDULER_ANNOTATIONS,
     SCHEDULER_NAME,
     WORKLOAD_LABEL,
     ObjectError,
@@ -207,7 +208,7 @@ class KubeCluster:
                             break
                         resource, event_type, old, new = self._changes.popleft()
                     events = (self._node_change(event_type, new or old) if resource == "node"
-                              else self._pod_change(event_type, new or old))
+                              else self._pod_change(event_type, new or old, old if new is not None else None))
                     for event, handlers in events:
                         for handler in handlers:
                             if handler in self._handlers:
@@ -254,7 +255,9 @@ class KubeCluster:
         self._nodes[name] = info
         return [self._event(EventKind.NODE_UPDATED, node=info)]
 
-    def _pod_change(self, event_type: str, obj: JsonObject | None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
+    def _pod_change(self, event_type: str, obj: JsonObject | None,
+                    before: JsonObject | None = None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
+        """`before`: the object as the informer held it before this change (None: not known)."""
         assert obj is not None
         name = object_key(obj)
         key = f"pod {name}"
@@ -265,8 +268,12 @@ class KubeCluster:
                 return []
             del self._pods[name]
             return [self._event(EventKind.POD_DELETED, pod=prev)]
+        # A change that leaves what the pod asks for as it was (the scheduler's annotations, the Binding, status)
+        # keeps the request read before: most changes of a pod are those, and reading a request is the costly part.
+        same = prev is not None and before is not None and key not in self._unreadable and \
+            _asks_the_same(before, obj)
         try:
-            info = pod_info(obj, self.catalog)
+            info = pod_info(obj, self.catalog, request=prev.request if same and prev is not None else None)
         except ObjectError as exc:
             self._report(key, exc)
             return []
@@ -559,6 +566,22 @@ class KubeCluster:
         return Status.success()
 
 
+def _asks_the_same(before: JsonObject, after: JsonObject) -> bool:
+    """Whether `after` asks for what `before` did (`objects.pod_request` reads the spec, labels, owner references
+    and annotations): only the scheduler's annotations, `spec.nodeName`, status or bookkeeping differ."""
+    old_meta, new_meta = before.get("metadata") or {}, after.get("metadata") or {}
+    if old_meta.get("labels") != new_meta.get("labels") or \
+            old_meta.get("ownerReferences") != new_meta.get("ownerReferences"):
+        return False
+    old_notes, new_notes = old_meta.get("annotations") or {}, new_meta.get("annotations") or {}
+    if {k: v for k, v in old_notes.items() if k not in SCHEDULER_ANNOTATIONS} != \
+            {k: v for k, v in new_notes.items() if k not in SCHEDULER_ANNOTATIONS}:
+        return False
+    old_spec, new_spec = before.get("spec") or {}, after.get("spec") or {}
+    return {k: v for k, v in old_spec.items() if k != "nodeName"} == \
+        {k: v for k, v in new_spec.items() if k != "nodeName"}
+
+
 def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -> JsonObject:
     """A minimal pod (one pause container) that `objects.pod_request` reads back as `request`, for the scheduler
     `scheduler_name`.
@@ -579,7 +602,7 @@ def pod_manifest(request: PodRequest, *, scheduler_name: str = SCHEDULER_NAME) -
     elif isinstance(gpu, Fraction):
         if gpu.compute_milli % 10:
             raise ValueError(f"{RES_CORES} is in whole percent; {gpu.compute_milli} milli-cards is not")
-        limits[RES_GPU] = "1"
+        limits[RES_GPU] = str(gpu.count)
         for resource, value in ((RES_CORES, gpu.compute_milli // 10), (RES_MEM, gpu.memory_mib),
                                 (RES_MEM_PCT, gpu.memory_pct), (RES_ENCODERS, gpu.encoders),
                                 (RES_DECODERS, gpu.decoders)):

@@ -719,8 +719,9 @@ def pod_phase(pod: Mapping[str, Any]) -> PodPhase:
         return PodPhase.RUNNING  # "Unknown": the node lost contact; the pod still holds its cards
 
 
-def pod_info(pod: Mapping[str, Any], catalog: Catalog) -> PodInfo:
-    """A pod as the port reports it: request, phase, recorded assignment and annotations."""
+def pod_info(pod: Mapping[str, Any], catalog: Catalog, *, request: PodRequest | None = None) -> PodInfo:
+    """A pod as the port reports it: request, phase, recorded assignment and annotations. `request`: what the pod
+    asks for, when the caller knows it has not changed since it was last read (else it is read again)."""
     obj = object_key(pod)
     annotations = annotations_of(pod)
     raw = annotations.get(ASSIGNMENT)
@@ -738,7 +739,7 @@ def pod_info(pod: Mapping[str, Any], catalog: Catalog) -> PodInfo:
         assignment = None  # recorded but not bound yet: the capacity is not the pod's until the Binding lands
     stamp = assigned_at(pod)
     return PodInfo(
-        request=pod_request(pod, catalog),
+        request=request if request is not None else pod_request(pod, catalog),
         phase=phase,
         assignment=assignment,
         created_at=parse_time(_meta(pod).get("creationTimestamp")) or 0.0,
