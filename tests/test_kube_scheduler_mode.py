@@ -451,3 +451,36 @@ def test_a_queue_at_its_maximum_holds_its_pods(server: FakeApiServer) -> None:
     assert events(server, "q2", "FailedScheduling")[0]["note"] == (
         "0/1 nodes are available: queue research at its maximum: 2 of 2 GPUs in use, 1 more asked.")
     mode.shutdown()
+
+
+# ------------------------------------------------------------------ the cluster port's reading
+@pytest.mark.parametrize(("change", "reread"), [
+    # The scheduler's own writes and the Binding leave the request as it was: it is kept, not read again.
+    (lambda obj: obj["metadata"]["annotations"].update({"gpuplane.io/bind-phase": "allocating"}), False),
+    (lambda obj: obj["status"].update({"nominatedNodeName": "n0"}), False),
+    # Anything the codec reads makes it read the pod again: a label, another annotation, the spec.
+    (lambda obj: obj["metadata"]["labels"].update({"gpuplane.io/queue": "research"}), True),
+    (lambda obj: obj["metadata"]["annotations"].update({"gpuplane.io/gpu-models": "T4"}), True),
+    (lambda obj: obj["spec"].update({"priority": 7}), True),
+])
+def test_a_change_that_leaves_the_request_as_it_was_keeps_it(server: FakeApiServer,
+                                                              change: Callable[[dict[str, Any]], None],
+                                                              reread: bool) -> None:
+    from gpuplane.kube.cluster import KubeCluster
+    from gpuplane.model import default_catalog
+
+    server.add_node(node_json("n0"))
+    server.add_pod(pod("p0", cards=1))
+    with KubeCluster(server.api, default_catalog(), dispatch="manual") as cluster:
+        before = cluster.get_pod("default/p0")
+        assert before is not None
+        version = server.mutate("pods", "default/p0", change)["metadata"]["resourceVersion"]
+        deadline = time.monotonic() + WAIT_S
+        while cluster.pods.resource_version != version:
+            assert time.monotonic() < deadline
+            cluster.wait_for_changes(0.02)
+        cluster.pump()
+        after = cluster.get_pod("default/p0")
+        assert after is not None
+        assert (after.request is not before.request) == reread
+        assert (after.request == before.request) != reread
