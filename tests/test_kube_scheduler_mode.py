@@ -484,3 +484,21 @@ def test_a_change_that_leaves_the_request_as_it_was_keeps_it(server: FakeApiServ
         assert after is not None
         assert (after.request is not before.request) == reread
         assert (after.request == before.request) != reread
+
+
+def test_a_pod_groups_own_timeout_fails_a_gang_that_never_assembles(server: FakeApiServer) -> None:
+    server.add_node(node_json("n0", cards=4))
+    server.add_object(PODGROUPS, {"apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+                                  "metadata": {"name": "short", "namespace": "default"},
+                                  "spec": {"minMember": 3, "scheduleTimeoutSeconds": 30}})
+    clock = Clock()
+    mode = make(server, clock=clock)
+    mode.tick()
+    member = pod("s0", cards=1)
+    member["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] = "short"
+    server.api.create(PODS, member)
+    settle([mode], lambda: bool(events(server, "s0", "FailedScheduling")))
+    # 30 s, not the scheduler's default 600 s: 31 s later the lone member is given up on (phase Failed).
+    clock.t += 31
+    settle([mode], lambda: (server.get("pods", "default/s0") or {}).get("status", {}).get("phase") == "Failed")
+    mode.shutdown()

@@ -181,6 +181,13 @@ def default_declarations(api: KubeApi, catalog: Catalog) -> DeclarationSource:
     return source
 
 
+def _gang_timeouts(declarations: DeclarationSource) -> dict[str, float]:
+    """Each PodGroup's own `scheduleTimeoutSeconds`, keyed `namespace/group` as the core names the gang (where the
+    declarations say; the rules' one timeout otherwise)."""
+    timeouts = getattr(declarations, "gang_timeouts", None)
+    return dict(timeouts()) if timeouts is not None else {}
+
+
 # ------------------------------------------------------------------ lanes
 class Lanes:
     """Worker threads, each running its jobs in order. A pod's writes all go to one lane (by its name), so they
@@ -693,7 +700,7 @@ class SchedulerMode:
                              on_bind_failed=self._on_bind_failed,
                              on_gone=lambda pod: self._forget(pod))
         rules = self.rules if isinstance(declarations, NoDeclarations) else dataclasses.replace(
-            self.rules, quotas=declarations.quotas())
+            self.rules, quotas=declarations.quotas(), gang_timeouts=_gang_timeouts(declarations))
         scheduler = Scheduler(port, self.catalog, self.profile, seed=self.seed, pools=self.pools,
                               now=self.clock.now, rules=rules)
         preemption = _RecordingPreemption(scheduler.preemption)
@@ -720,6 +727,9 @@ class SchedulerMode:
     def _apply_declarations(self, term: _Term) -> None:
         quotas = term.declarations.quotas()
         scheduler = term.scheduler
+        timeouts = _gang_timeouts(term.declarations)
+        if timeouts != dict(scheduler.rules.gang_timeouts):
+            scheduler.rules = dataclasses.replace(scheduler.rules, gang_timeouts=timeouts)
         if quotas != scheduler.rules.quotas:
             scheduler.rules = dataclasses.replace(scheduler.rules, quotas=quotas)
             scheduler.resync()  # wakes the pods held at a quota
