@@ -424,9 +424,11 @@ def test_a_gang_waits_for_its_pod_group_then_goes_all_or_nothing(server: FakeApi
                                   "metadata": {"name": "train", "namespace": "default"}, "spec": {"minMember": 4}})
     settle([mode], lambda: all(events(server, name, "FailedScheduling") for name in members))
     assert all(bound(server, name) is None for name in members)
+    # One message for the whole wait: a count in it would rewrite every member as each one arrives.
     assert events(server, "w0", "FailedScheduling")[0]["note"] == (
-        "0/1 nodes are available: gang default/train: 3 of 4 members submitted.")
-    # The fourth member arrives: all four bind at once, one card each.
+        "0/1 nodes are available: gang default/train is waiting for its members (minMember 4).")
+    # The fourth member arrives: all four bind at once, one card each; the others were written to once.
+    assert all(writes_to(server, name) == [("PATCH", "/status"), ("POST", "events")] for name in members)
     fourth = pod("w3", cards=1)
     fourth["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] = "train"
     server.api.create(PODS, fourth)

@@ -758,6 +758,11 @@ class SchedulerMode:
         total = term.scheduler.state.size
         nominated = planned_from is not None
         diagnosis = planned_from if nominated else decision.diagnosis
+        if decision.status.code is Code.WAIT and decision.assignment is None and request.gang is not None \
+                and decision.status.message.startswith(f"gang {request.gang}: "):
+            # Assembling: one message for the whole wait (a count in it would rewrite every member at each arrival).
+            return fit_error_message(total, {}, prefilter=f"gang {request.gang} is waiting for its members "
+                                                          f"(minMember {request.gang_size})")
         if diagnosis is None:  # a prefilter-like refusal (a gang assembling, a queue at its quota, a refusal)
             return fit_error_message(total, {}, prefilter=decision.status.message.rstrip("."))
         postfilter = ""
