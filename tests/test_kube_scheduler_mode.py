@@ -504,3 +504,22 @@ def test_a_pod_groups_own_timeout_fails_a_gang_that_never_assembles(server: Fake
     clock.t += 31
     settle([mode], lambda: (server.get("pods", "default/s0") or {}).get("status", {}).get("phase") == "Failed")
     mode.shutdown()
+
+
+@pytest.mark.parametrize("bind_workers", [0, 2])
+def test_a_cache_rebuilt_before_the_watch_shows_a_bind_keeps_its_cards(server: FakeApiServer,
+                                                                       bind_workers: int) -> None:
+    server.add_node(node_json("n0", cards=1))
+    mode = make(server, bind_workers=bind_workers)
+    mode.tick()
+    server.api.create(PODS, pod("p0", cards=1))
+    settle([mode], lambda: mode.scheduler is not None and "default/p0" in mode.scheduler.state.bindings)
+    # Rebuild at once (a node's cards changed, a quota changed), before this tick's pump has seen the Binding:
+    # the pod is still Pending in the informer's view, and its card must stay taken in the rebuilt cache.
+    assert mode.scheduler is not None
+    mode.scheduler.resync()
+    assert "default/p0" in mode.scheduler.state.bindings
+    server.api.create(PODS, pod("p1", cards=1))
+    settle([mode], lambda: bool(events(server, "p1", "FailedScheduling")))
+    assert bound(server, "p0") == "n0" and bound(server, "p1") is None
+    mode.shutdown()

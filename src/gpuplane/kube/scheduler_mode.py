@@ -339,7 +339,7 @@ class SchedulerPort:
         self._handlers: list[Handler] = []
         self._ours: dict[str, bool] = {}
         self._inflight: dict[str, Assignment] = {}
-        """Binds sent to a lane whose Binding the watch has not shown yet."""
+        """Binds sent (or queued on a lane) whose Binding the watch has not shown yet."""
         self._confirmed: dict[str, Assignment] = {}
         """Our binds the scheduler was told about when sent: their watch event is not delivered again."""
         self.nominated: dict[str, str] = {}
@@ -481,8 +481,8 @@ class SchedulerPort:
             if not status.ok:
                 return status
         else:
-            self._inflight[pod] = assignment
             self.lanes.submit(pod, functools.partial(self._bind_job, pod, assignment, clear))
+        self._inflight[pod] = assignment  # listed as bound (a rebuilt cache keeps it) until the watch shows it
         self._confirmed[pod] = assignment
         view = self._view(info, admit=False)
         assert view is not None
