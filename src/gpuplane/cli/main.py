@@ -612,6 +612,47 @@ def bench_extender(
         raise typer.Exit(1)
 
 
+@bench_app.command("kube")
+def bench_kube(
+    nodes: Annotated[str, typer.Option(help="comma-separated cluster sizes (GPU nodes)")] = "1000,5000",
+    pods: Annotated[int, typer.Option(help="pods created per run, as fast as the API server takes them")] = 3000,
+    repeats: Annotated[int, typer.Option(help="runs per size; medians are printed")] = 3,
+    ceiling: Annotated[bool, typer.Option(help="also measure the API server's own ceiling (no scheduler)")] = True,
+    policy: Annotated[str, typer.Option(help="node policy of `gpuplane scheduler`")] = "binpack",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Pods bound per second through the local API server with `gpuplane scheduler` as its own process: latency
+    from create to bound, API requests per bound pod by verb. Exit 1 below 500 pods/s at 5,000 nodes, above 3
+    writes per bound pod, or on any read beyond the watch streams."""
+    from gpuplane.sim.kube_bench import run_kube_bench
+
+    try:
+        sizes = [int(n) for n in nodes.split(",") if n.strip()]
+    except ValueError:
+        _fail(f"--nodes: comma-separated whole numbers, got {nodes!r}")
+    if not sizes or min(sizes) < 1 or pods < 1 or repeats < 1:
+        _fail("--nodes, --pods and --repeats must be at least 1")
+    result = run_kube_bench(sizes, pods=pods, repeats=repeats, ceiling=ceiling, policy=policy,
+                            progress=None if as_json else err.print)
+    if as_json:
+        print(json.dumps(result.to_json()))
+    else:
+        table = Table(title=f"gpuplane bench kube ({pods:,} pods, median of {repeats})")
+        for column in ("nodes", "pods bound/s", "p50 ms", "p99 ms", "writes/pod", "API server CPU %",
+                       "ceiling pods/s"):
+            table.add_column(column, justify="right")
+        for row in result.figures:
+            table.add_row(f"{row.nodes:,}", f"{row.median_pods_bound_per_s:,.0f}", f"{row.median_p50_ms:,.0f}",
+                          f"{row.median_p99_ms:,.0f}", f"{row.runs[0].scheduler_writes_per_pod:g}",
+                          f"{row.runs[0].api_server_cpu_pct:g}",
+                          f"{row.ceiling.pods_bound_per_s:,.0f}" if row.ceiling else "-")
+        out.print(table)
+        for miss in result.misses:
+            err.print(f"[red]missed:[/] {miss}")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
 @app.command("classify")
 def classify(
     files: Annotated[list[Path], typer.Argument(help="log files (plain or .gz), one node's each")],

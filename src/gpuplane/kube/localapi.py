@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from email.message import Message
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -172,6 +173,18 @@ def field_matches(obj: Mapping[str, Any], selector: str) -> bool:
     return True
 
 
+def write_kubeconfig(url: str, path: Path) -> Path:
+    """A kubeconfig pointing at the API server at `url` (no credentials)."""
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{url}"}}}}]
+users: [{{name: nobody, user: {{}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
+current-context: fake
+""")
+    return path
+
+
 def _request_label(method: str, path: str, watch: bool) -> str:
     """`request_counts`' key of a request: the verb and what it is on, without names or namespaces."""
     parts = path.strip("/").split("/")
@@ -231,6 +244,15 @@ class Event:
     type: str
     obj: JsonObject
     old: JsonObject | None
+    _lines: dict[str, bytes] = field(default_factory=dict)
+
+    def line(self, type_: str) -> bytes:
+        """The watch line of this event as `type_` (ADDED, MODIFIED, DELETED), encoded once for every watcher
+        (lock held: `obj` is the commit's snapshot, never changed)."""
+        line = self._lines.get(type_)
+        if line is None:
+            line = self._lines[type_] = json.dumps({"type": type_, "object": self.obj}).encode() + b"\n"
+        return line
 
 
 @dataclass
@@ -273,6 +295,11 @@ class FakeApiServer:
         self._now = now
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        """Notified on every write (`wait_for`) and on whatever ends watches."""
+        self._resource_changed: dict[tuple[str, str], threading.Condition] = {}
+        """Per resource, notified on its writes: a watch waits on its own resource's, so a pod write wakes the
+        pod watchers only."""
+        self._stamp: tuple[datetime, str] | None = None
         self._rv = 0
         self._uids = itertools.count(1)
         self._store: dict[tuple[str, str], dict[str, JsonObject]] = {}
@@ -308,7 +335,7 @@ class FakeApiServer:
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-            self._changed.notify_all()
+            self._wake_all()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -329,14 +356,7 @@ class FakeApiServer:
 
     def write_kubeconfig(self, path: Path) -> Path:
         """A kubeconfig pointing at this server (no credentials), for commands run as a user would."""
-        path.write_text(f"""apiVersion: v1
-kind: Config
-clusters: [{{name: fake, cluster: {{server: "{self.url}"}}}}]
-users: [{{name: nobody, user: {{}}}}]
-contexts: [{{name: fake, context: {{cluster: fake, user: nobody}}}}]
-current-context: fake
-""")
-        return path
+        return write_kubeconfig(self.url, path)
 
     @property
     def api(self) -> RestKubeApi:
@@ -347,16 +367,17 @@ current-context: fake
     # -- test hooks --------------------------------------------------------------------------------------------
 
     def add_node(self, obj: Mapping[str, Any]) -> JsonObject:
-        return self._write_new(("", "nodes"), None, obj)
+        return copy.deepcopy(self._write_new(("", "nodes"), None, obj))
 
     def add_pod(self, obj: Mapping[str, Any]) -> JsonObject:
         """Stores the pod as given (status included); namespace defaults to `default`."""
-        return self._write_new(("", "pods"), obj.get("metadata", {}).get("namespace") or "default", obj)
+        return copy.deepcopy(self._write_new(("", "pods"), obj.get("metadata", {}).get("namespace") or "default",
+                                             obj))
 
     def add_object(self, path: str, obj: Mapping[str, Any]) -> JsonObject:
         """Stores any object under its collection path (e.g. `/apis/apps/v1/namespaces/ns/deployments`)."""
         route = parse_route(path)
-        return self._write_new(route.resource, route.namespace, obj)
+        return copy.deepcopy(self._write_new(route.resource, route.namespace, obj))
 
     def get(self, kind: str, key: str) -> JsonObject | None:
         """A copy of the stored object: kind `pods`/`Pod`/`nodes`/a custom plural, key `ns/name` or `name`."""
@@ -405,7 +426,7 @@ current-context: fake
                 if resource[1] == plural and key in objects:
                     new = copy.deepcopy(objects[key])
                     change(new)
-                    return self._commit(resource, key, "MODIFIED", new)
+                    return copy.deepcopy(self._commit(resource, key, "MODIFIED", new))
         raise KeyError(f"{kind} {key}")
 
     def fail_next(self, method: str, path_regex: str, status: int, reason: str, times: int = 1) -> None:
@@ -441,14 +462,14 @@ current-context: fake
             self._snapshots.clear()
             for stream in self._streams:
                 stream.expired = True
-            self._changed.notify_all()
+            self._wake_all()
 
     def drop_watches(self) -> None:
         """Break every open watch connection (no terminating chunk), as a failing load balancer would."""
         with self._lock:
             for stream in self._streams:
                 stream.dropped = True
-            self._changed.notify_all()
+            self._wake_all()
 
     @property
     def resource_version(self) -> int:
@@ -474,10 +495,32 @@ current-context: fake
     # -- store -------------------------------------------------------------------------------------------------
 
     def _timestamp(self) -> str:
-        return self._now().strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = self._now().replace(microsecond=0)
+        if self._stamp is None or self._stamp[0] != now:
+            self._stamp = (now, now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+        return self._stamp[1]
 
-    def _write_new(self, resource: tuple[str, str], namespace: str | None, obj: Mapping[str, Any]) -> JsonObject:
-        new = copy.deepcopy(dict(obj))
+    def _changed_of(self, resource: tuple[str, str]) -> threading.Condition:
+        condition = self._resource_changed.get(resource)
+        if condition is None:
+            condition = self._resource_changed[resource] = threading.Condition(self._lock)
+        return condition
+
+    def _wake(self, resource: tuple[str, str]) -> None:
+        self._changed.notify_all()
+        condition = self._resource_changed.get(resource)
+        if condition is not None:
+            condition.notify_all()
+
+    def _wake_all(self) -> None:
+        self._changed.notify_all()
+        for condition in self._resource_changed.values():
+            condition.notify_all()
+
+    def _write_new(self, resource: tuple[str, str], namespace: str | None, obj: Mapping[str, Any], *,
+                   owned: bool = False) -> JsonObject:
+        """Create `obj` (`owned`: the caller's to give away, a request body just parsed; else copied)."""
+        new = dict(obj) if owned else copy.deepcopy(dict(obj))
         meta = new.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = f"{meta['generateName']}{next(self._uids):05x}"
@@ -503,15 +546,18 @@ current-context: fake
             return self._commit(resource, key, "ADDED", new)
 
     def _commit(self, resource: tuple[str, str], key: str, event_type: str, new: JsonObject) -> JsonObject:
-        """Store `new` under a fresh resourceVersion and record the event (lock held)."""
+        """Store `new` under a fresh resourceVersion and record the event (lock held). Returns the event's
+        snapshot of the object, which nothing may change (it is what watchers are sent): answer with it, or copy
+        it before handing it out."""
         self._rv += 1
         new.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
         objects = self._store.setdefault(resource, {})
         old = objects.get(key)
         objects[key] = new
-        self._history.append(Event(self._rv, resource, event_type, copy.deepcopy(new), old))
-        self._changed.notify_all()
-        return copy.deepcopy(new)
+        snapshot = copy.deepcopy(new)
+        self._history.append(Event(self._rv, resource, event_type, snapshot, old))
+        self._wake(resource)
+        return snapshot
 
     def _remove(self, resource: tuple[str, str], key: str) -> JsonObject:
         """Delete an object; the DELETED event carries the last state with a fresh resourceVersion."""
@@ -520,7 +566,7 @@ current-context: fake
         final = copy.deepcopy(old)
         final["metadata"]["resourceVersion"] = str(self._rv)
         self._history.append(Event(self._rv, resource, "DELETED", copy.deepcopy(final), old))
-        self._changed.notify_all()
+        self._wake(resource)
         return final
 
     def _lookup(self, route: Route) -> JsonObject:
@@ -563,7 +609,7 @@ current-context: fake
                 body.get("metadata", {}).pop("resourceVersion", None)
                 if route.plural == "pods":
                     body["status"] = {"phase": "Pending"}
-                return 201, self._write_new(route.resource, route.namespace, body)
+                return 201, self._write_new(route.resource, route.namespace, body, owned=True)
             if method in ("PUT", "PATCH") and route.name:
                 return 200, self._update(route, method, body, content_type)
             if method == "DELETE" and route.name and not route.sub:
@@ -774,89 +820,92 @@ current-context: fake
 
     # -- watch -------------------------------------------------------------------------------------------------
 
-    def open_watch(self, route: Route, query: Mapping[str, str]) -> tuple[list[JsonObject], int]:
-        """The events a new watch starts with and the resourceVersion it continues from; HttpAnswer(410) when
-        the requested resourceVersion is older than the retained history (answered as HTTP 410)."""
+    def open_watch(self, route: Route, query: Mapping[str, str]) -> tuple[bytes, int]:
+        """The events a new watch starts with (encoded) and the resourceVersion it continues from;
+        HttpAnswer(410) when the requested resourceVersion is older than the retained history (HTTP 410)."""
         requested = query.get("resourceVersion", "")
         with self._lock:
             if requested in ("", "0"):
-                return [{"type": "ADDED", "object": copy.deepcopy(o)}
-                        for _, o in sorted(self._store.get(route.resource, {}).items())
-                        if self._matches(route, o, query)], self._rv
+                return b"".join(json.dumps({"type": "ADDED", "object": o}).encode() + b"\n"
+                                for _, o in sorted(self._store.get(route.resource, {}).items())
+                                if self._matches(route, o, query)), self._rv
             position = int(requested)
             if position < self._compacted_rv:
                 raise HttpAnswer(410, "Expired", f"too old resource version: {position} ({self._compacted_rv})")
-            return [], position
+            return b"", position
 
     def follow(self, route: Route, query: Mapping[str, str], stream: _Stream,
-               position: int) -> Iterator[JsonObject | None]:
-        """Watch events after `position`, as JSON objects; None means 'break the connection'."""
+               position: int) -> Iterator[bytes | None]:
+        """Batches of watch events after `position`, as encoded lines; None means 'break the connection'."""
         deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
         bookmarks = query.get("allowWatchBookmarks") in ("true", "1")
         last_bookmark = time.monotonic()
         while True:
-            out, position, finished = self._next_events(route, query, stream, position, deadline, bookmarks,
-                                                        last_bookmark)
-            if any(e is not None and e["type"] == "BOOKMARK" for e in out):
+            out, position, finished, bookmarked = self._next_events(route, query, stream, position, deadline,
+                                                                    bookmarks, last_bookmark)
+            if bookmarked:
                 last_bookmark = time.monotonic()
-            yield from out
+            if out:
+                yield out
             if finished:
+                if out is not None:
+                    return
+                yield None
                 return
 
     def _next_events(self, route: Route, query: Mapping[str, str], stream: _Stream, position: int, deadline: float,
-                     bookmarks: bool, last_bookmark: float) -> tuple[list[JsonObject | None], int, bool]:
-        """The next events for a watcher at `position` (waiting for some; never yielded under the lock), its new
-        position, and whether the stream ends after them. A None event means 'break the connection'."""
+                     bookmarks: bool, last_bookmark: float) -> tuple[bytes | None, int, bool, bool]:
+        """The next events for a watcher at `position`, encoded (waiting for some; never written under the lock),
+        its new position, whether the stream ends after them, and whether they are a bookmark. None for the
+        events means 'break the connection'."""
         with self._lock:
             while True:
                 if stream.dropped:
-                    return [None], position, True
+                    return None, position, True, False
                 if stream.expired:
-                    return [{"type": "ERROR", "object": status_body(
-                        410, "Expired", f"The resourceVersion for the provided watch is too old ({position}).")}], \
-                        position, True
+                    error = {"type": "ERROR", "object": status_body(
+                        410, "Expired", f"The resourceVersion for the provided watch is too old ({position}).")}
+                    return json.dumps(error).encode() + b"\n", position, True, False
                 if self._stopping:
-                    return [], position, True
+                    return b"", position, True, False
                 batch = self._events_after(position)
                 if batch:
-                    out: list[JsonObject | None] = []
-                    for event in batch:
-                        translated = self._translate(route, query, event)
-                        if translated is not None:
-                            out.append(translated)
+                    out = b"".join(line for line in (self._translate(route, query, e) for e in batch) if line)
                     position = batch[-1].rv
                     if out:
-                        return out, position, False
+                        return out, position, False, False
                     continue  # nothing for this watcher in the batch
                 now = time.monotonic()
                 if now >= deadline:
-                    return ([self._bookmark(route, self._rv)] if bookmarks else []), self._rv, True
+                    return (self._bookmark(route, self._rv) if bookmarks else b""), self._rv, True, bookmarks
                 interval = self.bookmark_interval_s
                 if bookmarks and interval is not None and now - last_bookmark >= interval:
-                    return [self._bookmark(route, self._rv)], self._rv, False
-                self._changed.wait(0.05)
+                    return self._bookmark(route, self._rv), self._rv, False, True
+                self._changed_of(route.resource).wait(0.05)
 
     def _events_after(self, position: int) -> list[Event]:
         index = bisect.bisect_right(self._history, position, key=lambda e: e.rv)
         return self._history[index:]
 
     @staticmethod
-    def _bookmark(route: Route, position: int) -> JsonObject:
+    def _bookmark(route: Route, position: int) -> bytes:
         kind, version = BUILTIN.get(route.resource, (route.plural, f"{route.group}/{route.version}"))
-        return {"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": version,
-                                               "metadata": {"resourceVersion": str(position)}}}
+        return json.dumps({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": version,
+                                                          "metadata": {"resourceVersion": str(position)}}}).encode() \
+            + b"\n"
 
-    def _translate(self, route: Route, query: Mapping[str, str], event: Event) -> JsonObject | None:
-        """An event as this watcher sees it: objects entering or leaving its selectors are ADDED or DELETED."""
+    def _translate(self, route: Route, query: Mapping[str, str], event: Event) -> bytes | None:
+        """An event as this watcher sees it (its encoded line): objects entering or leaving its selectors are
+        ADDED or DELETED."""
         if event.resource != route.resource:
             return None
         now_in = self._matches(route, event.obj, query)
         was_in = event.old is not None and self._matches(route, event.old, query)
         if event.type == "MODIFIED" and now_in != was_in:
-            return {"type": "ADDED" if now_in else "DELETED", "object": copy.deepcopy(event.obj)}
+            return event.line("ADDED" if now_in else "DELETED")
         if event.type == "DELETED":
-            return {"type": "DELETED", "object": copy.deepcopy(event.obj)} if was_in else None
-        return {"type": event.type, "object": copy.deepcopy(event.obj)} if now_in else None
+            return event.line("DELETED") if was_in else None
+        return event.line(event.type) if now_in else None
 
     def open_stream(self) -> _Stream:
         stream = _Stream()
@@ -869,9 +918,15 @@ current-context: fake
             self._streams.remove(stream)
 
 
+_PHRASES = {status.value: status.phrase for status in HTTPStatus}
+_MAX_LINE = 65536
+_MAX_HEADERS = 100
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     fake: FakeApiServer
+    raw_requestline: bytes  # set by handle_one_request before parse_request
 
     def setup(self) -> None:
         super().setup()
@@ -880,6 +935,39 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         return
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError):  # the client went away between requests
+            self.close_connection = True
+
+    def parse_request(self) -> bool:
+        """HTTP/1.1 requests with a plain header reader (the stdlib's email parser costs more than most of the
+        requests served here); anything else as the stdlib parses it."""
+        words = self.raw_requestline.decode("iso-8859-1").rstrip("\r\n").split()
+        if len(words) != 3 or words[2] != "HTTP/1.1":
+            return super().parse_request()
+        self.command, self.path, self.request_version = words
+        self.requestline = " ".join(words)
+        headers = Message()
+        while True:
+            line = self.rfile.readline(_MAX_LINE + 1)
+            if len(line) > _MAX_LINE or len(headers) >= _MAX_HEADERS:
+                self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Line too long or too many headers")
+                return False
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, colon, value = line.decode("iso-8859-1").partition(":")
+            if not colon:
+                self.send_error(HTTPStatus.BAD_REQUEST, f"Bad header line {line[:80]!r}")
+                return False
+            headers[name.strip()] = value.strip()
+        self.headers = headers
+        self.close_connection = headers.get("Connection", "").lower() == "close"
+        if headers.get("Expect", "").lower() == "100-continue":
+            return self.handle_expect_100()
+        return True
 
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
@@ -893,11 +981,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, body: Any) -> None:
         payload = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        # Status line, headers and body in one write (send_response + end_headers would make two).
+        head = f"{self.protocol_version} {code} {_PHRASES.get(code, '')}\r\nContent-Type: application/json\r\n" \
+               f"Content-Length: {len(payload)}\r\n\r\n"
+        self.wfile.write(head.encode() + payload)
 
     def _dispatch(self, method: str) -> None:
         parts = urlsplit(self.path)
@@ -924,14 +1011,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             self.wfile.flush()
-            for event in itertools.chain(initial, self.fake.follow(route, query, stream, position)):
-                if event is None:
+            for lines in itertools.chain([initial] if initial else [], self.fake.follow(route, query, stream,
+                                                                                        position)):
+                if lines is None:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                assert isinstance(event, dict)
-                line = json.dumps(event).encode() + b"\n"
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(lines), lines))  # one chunk per batch of events
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
