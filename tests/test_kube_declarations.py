@@ -291,7 +291,8 @@ def test_a_pod_group_makes_its_pods_a_gang_that_starts_whole() -> None:
             assert bound(fake, "w0") is None and bound(fake, "w1") is None
             fake.add_object("/apis/scheduling.x-k8s.io/v1alpha1/namespaces/default/podgroups",
                             pod_group("train", "default", minMember=3))
-            settle([mode], lambda: "gang default/train: 2 of 3 members submitted" in held_message(fake, "w0"))
+            settle([mode], lambda: "gang default/train" in held_message(fake, "w0") and any(
+                size in held_message(fake, "w0") for size in ("minMember 3", "of 3")))  # waiting, sized by it
             assert bound(fake, "w0") is None and bound(fake, "w1") is None  # capacity for both: still all or none
             fake.api.create(PODS, gpu_pod("w2", 1, member))
             settle([mode], lambda: all(bound(fake, n) is not None for n in ("w0", "w1", "w2")))
