@@ -260,7 +260,7 @@ BAD: list[tuple[dict[str, Any], str, bool]] = [
                                                                        "lendFrom": "02:00", "reclaimAt": "05:00"}])),
      "spec", False),                                                   # 02:00-05:00 inside 22:30-07:30
     (obj(GPU_POOL, pool_spec(quota={"minGpus": 9, "maxGpus": 8}), namespace=None), "spec.quota", False),
-    (obj(GPU_POOL, pool_spec(models=["A100-80GB", "B300"]), namespace=None), "spec.models[1]", False),
+    (obj(GPU_POOL, pool_spec(models=["A100-80GB", "X9000"]), namespace=None), "spec.models[1]", False),
 ]
 
 
