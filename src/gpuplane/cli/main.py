@@ -619,6 +619,8 @@ def bench_kube(
     repeats: Annotated[int, typer.Option(help="runs per size; medians are printed")] = 3,
     ceiling: Annotated[bool, typer.Option(help="also measure the API server's own ceiling (no scheduler)")] = True,
     policy: Annotated[str, typer.Option(help="node policy of `gpuplane scheduler`")] = "binpack",
+    rate: Annotated[float | None, typer.Option(
+        help="create this many pods a second (open loop) instead of as fast as the API server takes them")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Pods bound per second through the local API server with `gpuplane scheduler` as its own process: latency
@@ -630,9 +632,9 @@ def bench_kube(
         sizes = [int(n) for n in nodes.split(",") if n.strip()]
     except ValueError:
         _fail(f"--nodes: comma-separated whole numbers, got {nodes!r}")
-    if not sizes or min(sizes) < 1 or pods < 1 or repeats < 1:
-        _fail("--nodes, --pods and --repeats must be at least 1")
-    result = run_kube_bench(sizes, pods=pods, repeats=repeats, ceiling=ceiling, policy=policy,
+    if not sizes or min(sizes) < 1 or pods < 1 or repeats < 1 or (rate is not None and not rate > 0):
+        _fail("--nodes, --pods and --repeats must be at least 1, --rate above 0")
+    result = run_kube_bench(sizes, pods=pods, repeats=repeats, ceiling=ceiling, policy=policy, rate=rate,
                             progress=None if as_json else err.print)
     if as_json:
         print(json.dumps(result.to_json()))

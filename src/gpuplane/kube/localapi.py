@@ -244,15 +244,12 @@ class Event:
     type: str
     obj: JsonObject
     old: JsonObject | None
-    _lines: dict[str, bytes] = field(default_factory=dict)
+    raw: bytes
+    """`obj` encoded (it was decoded from this: the snapshot and every watcher's line share one encoding)."""
 
     def line(self, type_: str) -> bytes:
-        """The watch line of this event as `type_` (ADDED, MODIFIED, DELETED), encoded once for every watcher
-        (lock held: `obj` is the commit's snapshot, never changed)."""
-        line = self._lines.get(type_)
-        if line is None:
-            line = self._lines[type_] = json.dumps({"type": type_, "object": self.obj}).encode() + b"\n"
-        return line
+        """The watch line of this event as `type_` (ADDED, MODIFIED, DELETED)."""
+        return b'{"type": "%s", "object": %s}\n' % (type_.encode(), self.raw)
 
 
 @dataclass
@@ -554,8 +551,9 @@ class FakeApiServer:
         objects = self._store.setdefault(resource, {})
         old = objects.get(key)
         objects[key] = new
-        snapshot = copy.deepcopy(new)
-        self._history.append(Event(self._rv, resource, event_type, snapshot, old))
+        raw = json.dumps(new).encode()
+        snapshot: JsonObject = json.loads(raw)  # a deep copy, and the encoding every watcher is sent
+        self._history.append(Event(self._rv, resource, event_type, snapshot, old, raw))
         self._wake(resource)
         return snapshot
 
@@ -565,7 +563,8 @@ class FakeApiServer:
         self._rv += 1
         final = copy.deepcopy(old)
         final["metadata"]["resourceVersion"] = str(self._rv)
-        self._history.append(Event(self._rv, resource, "DELETED", copy.deepcopy(final), old))
+        raw = json.dumps(final).encode()
+        self._history.append(Event(self._rv, resource, "DELETED", json.loads(raw), old, raw))
         self._wake(resource)
         return final
 
@@ -609,12 +608,17 @@ class FakeApiServer:
                 body.get("metadata", {}).pop("resourceVersion", None)
                 if route.plural == "pods":
                     body["status"] = {"phase": "Pending"}
-                return 201, self._write_new(route.resource, route.namespace, body, owned=True)
+                return 201, self._encoded(self._write_new(route.resource, route.namespace, body, owned=True))
             if method in ("PUT", "PATCH") and route.name:
-                return 200, self._update(route, method, body, content_type)
+                return 200, self._encoded(self._update(route, method, body, content_type))
             if method == "DELETE" and route.name and not route.sub:
                 return 200, self._delete(route, body)
         raise HttpAnswer(405, "MethodNotAllowed", f"{method} is not supported on {path}")
+
+    def _encoded(self, answer: JsonObject) -> JsonObject | bytes:
+        """The last event's encoding when `answer` is its snapshot (a write's answer: not encoded twice)."""
+        last = self._history[-1] if self._history else None
+        return last.raw if last is not None and last.obj is answer else answer
 
     def _list(self, route: Route, query: Mapping[str, str]) -> JsonObject:
         token = query.get("continue", "")
@@ -980,7 +984,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise HttpAnswer(400, "BadRequest", f"the request body is not JSON: {exc}") from exc
 
     def _send(self, code: int, body: Any) -> None:
-        payload = json.dumps(body).encode()
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         # Status line, headers and body in one write (send_response + end_headers would make two).
         head = f"{self.protocol_version} {code} {_PHRASES.get(code, '')}\r\nContent-Type: application/json\r\n" \
                f"Content-Length: {len(payload)}\r\n\r\n"
