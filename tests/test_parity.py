@@ -51,8 +51,16 @@ def test_the_api_server_lists_nodes_by_name_like_etcd_whatever_the_creation_orde
             server.add_node(parity.node_manifest(spec))
         items, _ = server.api.list("/api/v1/nodes")
     assert [i["metadata"]["name"] for i in items] == ["n-1", "n-10", "n-2"]  # byte order of the keys
-    assert not parity.node_order_matches(specs)
-    assert parity.node_order_matches(sorted(specs, key=lambda s: s.name))
+    assert [spec.name for spec in parity.in_api_order(specs)] == ["n-1", "n-10", "n-2"]
+
+
+def test_a_node_list_out_of_name_order_runs_in_the_api_order_in_both_worlds(
+        small_cluster: list[NodeSpec], trace_pods: list[PodRequest]) -> None:
+    binpack = profile("binpack", trace_pods)
+    shuffled = small_cluster[20:] + small_cluster[:20]
+    result = parity.fill_parity(CATALOG, shuffled, trace_pods, binpack, parity.in_process(CATALOG, binpack, SEED),
+                                seed=SEED, limit=80)
+    assert result.nodes_reordered and result.differences == 0
 
 
 # ---------------------------------------------------------------------------------------------- fill

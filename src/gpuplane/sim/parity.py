@@ -17,11 +17,13 @@ Both worlds read the same requests: each trace pod is written with `pod_manifest
 and that reading is what the simulator gets too. A pod whose decision-relevant fields do not survive that
 round trip cannot be expressed as a pod: it is reported (`inexpressible`) and left out of both worlds.
 
-Determinism the proof depends on (and checks where it can): the nodes are listed in the same order in both worlds
-(the API server lists by key, as etcd does; the bundled node list is in name order, so the simulator's order is
-the same, and `node_order_matches` says so for the cluster given); the scheduler draws its tie-breaks from one
-seeded stream, so it must make the same decisions in the same order: a failed pod is deleted before the next
-is created (a parked pod retried meanwhile would draw again), and the timed script spans less than the
+Determinism the proof depends on (and checks where it can): the nodes are listed in the same order in both worlds.
+The API server lists by key, as etcd does, so the Kubernetes world's order is by name; the bundled node list is
+in name order already, and a list that is not is run in name order in both worlds (`nodes_reordered` says so:
+the simulated side then differs from `run_fill` on the list as given). The scheduler draws its tie-breaks from
+one seeded stream, so it must make the same decisions in the same order: a failed pod is deleted before the next
+is created (a parked pod retried meanwhile would draw again; the scheduler's 300 s flush of parked pods could
+only do so in the milliseconds between a failure and its deletion), and the timed script spans less than the
 scheduler's shortest retry timer (60 s), so no timer fires in either world.
 """
 
@@ -252,10 +254,9 @@ def declare_gangs(server: FakeApiServer, requests: Sequence[PodRequest]) -> None
                            "spec": {"minMember": size}})
 
 
-def node_order_matches(nodes: Sequence[NodeSpec]) -> bool:
-    """Whether the simulator's node order (the list's) is the API server's (by name, as etcd lists keys)."""
-    names = [spec.name for spec in nodes]
-    return names == sorted(names)
+def in_api_order(nodes: Sequence[NodeSpec]) -> list[NodeSpec]:
+    """The nodes in the order the API server lists them (by name, as etcd lists its keys)."""
+    return sorted(nodes, key=lambda spec: spec.name)
 
 
 # ------------------------------------------------------------------ fill
@@ -278,7 +279,8 @@ class FillParity:
     placed: int
     failed: int
     inexpressible: tuple[str, ...]
-    node_order_matches: bool
+    nodes_reordered: bool
+    """The node list was not in name order: both worlds ran it in the API server's order."""
     nodes: int
     wall_s: float
 
@@ -372,7 +374,7 @@ def compare_fill(catalog: Catalog, nodes: Sequence[NodeSpec], workload: Sequence
     placed = sum(1 for node, _ in kube if node)
     return FillParity(len(workload), len(differences), tuple(differences[:SHOWN_DIFFERENCES]),
                       sim_alloc.unallocated_pct, kube_alloc.unallocated_pct, placed, len(kube) - placed,
-                      tuple(inexpressible), node_order_matches(nodes), len(nodes), round(wall_s, 2))
+                      tuple(inexpressible), False, len(nodes), round(wall_s, 2))
 
 
 def fill_parity(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodRequest], profile: Profile,
@@ -382,12 +384,14 @@ def fill_parity(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[PodR
     """Fill replay in both worlds; `limit`: only the first pods of the tuned workload. `sim_profile`/`sim_seed`
     give the simulator another policy or seed (the check that a difference is seen)."""
     started = time.perf_counter()
-    workload, refused = fill_workload(catalog, nodes, pods, seed, tune)
+    ordered = in_api_order(nodes)
+    workload, refused = fill_workload(catalog, ordered, pods, seed, tune)
     if limit is not None:
         workload = workload[:limit]
-    sim = sim_fill(catalog, nodes, workload, sim_profile or profile, seed if sim_seed is None else sim_seed)
-    kube = kube_fill(nodes, workload, factory, progress=progress)
-    return compare_fill(catalog, nodes, workload, sim, kube, refused, time.perf_counter() - started)
+    sim = sim_fill(catalog, ordered, workload, sim_profile or profile, seed if sim_seed is None else sim_seed)
+    kube = kube_fill(ordered, workload, factory, progress=progress)
+    result = compare_fill(catalog, ordered, workload, sim, kube, refused, time.perf_counter() - started)
+    return replace(result, nodes_reordered=ordered != list(nodes))
 
 
 # ------------------------------------------------------------------ timed
@@ -656,7 +660,9 @@ def extender_parity(catalog: Catalog, nodes: Sequence[NodeSpec], pods: Sequence[
                     profiles: Sequence[Profile], *, seed: int = 42, limit: int | None = None,
                     progress: Progress | None = None) -> list[ExtenderFigures]:
     """The fill replay through the extender and the stand-in (`standin.fill_through_extender`, gpuplane's
-    decision as the filter's only answer) against the simulator, one policy at a time."""
+    decision as the filter's only answer) against the simulator, one policy at a time (nodes in the API server's
+    order, as `fill_parity` runs them)."""
+    nodes = in_api_order(nodes)
     workload, _ = fill_workload(catalog, nodes, pods, seed)
     workload = workload[:limit] if limit is not None else workload
     capacity = SimCluster(catalog, nodes).state.total_gpu_milli()
