@@ -513,8 +513,9 @@ def register_experiment(experiment: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(figures.to_json(), indent=2))
             return
+        when = "at 100 % arrived" if figures.reached_100 else "after them (100 % not reached)"
         typer.echo(f"{figures.trace}, {figures.node_policy}, seed {figures.seed}, {figures.pods} pods: simulator "
-                   f"{figures.simulator_unallocated_pct_at_100:.2f} % unallocated at 100 % arrived")
+                   f"{figures.simulator_unallocated_pct_at_100:.2f} % unallocated {when}")
         for mode, row in figures.extender.items():
             typer.echo(f"  extender, filter answers {mode:<8} {row['unallocated_pct_at_100']:.2f} % "
                        f"({row['points_from_simulator_at_100']:+.2f} points; {row['differences']} pods placed "
