@@ -942,6 +942,20 @@ def test_cli_bad_flags_exit_2_naming_the_flag(flags: list[str], message: str) ->
     assert message in result.output
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--split", "0"], "--split: must be at least 1"),
+    (["--filter-answers", "best"], "--filter-answers: choose chosen or feasible"),
+])
+def test_experiment_extender_fill_bad_flags_exit_2(flags: list[str], message: str) -> None:
+    app = typer.Typer()
+    experiment = typer.Typer()
+    app.add_typer(experiment, name="experiment")
+    register(app)  # finds the experiment group and adds extender-fill to it
+    result = CliRunner().invoke(app, ["experiment", "extender-fill", *flags])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
 def inventory_node(name: str, model: str, cards: int) -> dict[str, Any]:
     inventory = NodeInventory(model, tuple(CardInventory(i, f"GPU-{name}-{i}") for i in range(cards)))
     return {"apiVersion": "v1", "kind": "Node",
