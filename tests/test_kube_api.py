@@ -105,6 +105,74 @@ def test_no_answer_is_a_status_zero_error() -> None:
     with pytest.raises(ApiError) as error:
         api.get("/api/v1/nodes")
     assert (error.value.status, error.value.reason) == (0, "ConnectionError")
+    with pytest.raises(ApiError) as write:
+        api.create(PODS, pod_json("p"))
+    assert (write.value.status, write.value.reason) == (0, "ConnectionError")
+
+
+def test_writes_carry_the_clients_headers_token_and_base_path() -> None:
+    """Writes skip `call_api` (the lean path): they must still send what the official client sends, the bearer
+    token through the refresh hook included, under the configuration's base path."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()},
+                         self.rfile.read(length)))
+            status = 409 if "conflict" in self.path else 200
+            body = json.dumps({"kind": "Status", "reason": "Conflict", "message": "no"} if status == 409
+                              else {"ok": self.command}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _answer
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{httpd.server_address[1]}/base", token="first")
+        refreshed: list[str] = []
+
+        def refresh(configuration: Any) -> None:
+            refreshed.append("x")
+            configuration.api_key["BearerToken"] = f"Bearer t{len(refreshed)}"
+
+        api.client.configuration.refresh_api_key_hook = refresh
+        assert api.get(pod_path("default", "p")) == {"ok": "GET"}
+        assert api.create(PODS, {"a": 1}) == {"ok": "POST"}
+        assert api.patch(pod_path("default", "p"), [{"op": "remove", "path": "/x"}], patch_type="json") == \
+            {"ok": "PATCH"}
+        assert api.delete(pod_path("default", "p")) == {"ok": "DELETE"}
+        assert api.create("/api/v1/namespaces/default/pods/a b", {}) == {"ok": "POST"}  # percent-encoded
+        with pytest.raises(ApiError) as conflict:
+            api.replace(pod_path("default", "conflict"), {"b": 2})
+        assert (conflict.value.status, conflict.value.reason, conflict.value.message) == (409, "Conflict", "no")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    read, post, patch, delete, _, put = seen
+    assert [(m, p) for m, p, _, _ in seen] == [
+        ("GET", "/base/api/v1/namespaces/default/pods/p"), ("POST", "/base" + PODS),
+        ("PATCH", "/base/api/v1/namespaces/default/pods/p"), ("DELETE", "/base/api/v1/namespaces/default/pods/p"),
+        ("POST", "/base/api/v1/namespaces/default/pods/a%20b"),
+        ("PUT", "/base/api/v1/namespaces/default/pods/conflict")]
+    assert [h["authorization"] for _, _, h, _ in seen] == [f"Bearer t{i}" for i in range(1, 7)]
+    assert all(h["user-agent"] == read[2]["user-agent"] and h["accept"] == "application/json" for _, _, h, _ in seen)
+    assert (post[2]["content-type"], json.loads(post[3])) == ("application/json", {"a": 1})
+    assert (patch[2]["content-type"], json.loads(patch[3])) == ("application/json-patch+json",
+                                                                [{"op": "remove", "path": "/x"}])
+    assert "content-type" not in delete[2] and delete[3] == b""
+    assert json.loads(put[3]) == {"b": 2}
 
 
 def test_injected_failures_answer_once(server: FakeApiServer) -> None:
