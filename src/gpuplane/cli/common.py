@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -60,3 +60,15 @@ def policy_config(node_policy: str, card_policy: str | None, scope: str = "workl
     return PolicyConfig(node_policy=node_policy, card_policy=card_policy, card_only_one_scope=scope_value,
                         custom_topo=load_topo_config(topo) if topo is not None else None, typical=typical,
                         seed=seed)
+
+
+# The scheduling-policy flags `gpuplane extender` and `gpuplane scheduler` share.
+NodePolicyOption = Annotated[str, typer.Option("--node-policy", "--policy", help=(
+    "node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd-online, "
+    "fgd-used, colocation"))]
+CardPolicyOption = Annotated[str | None, typer.Option(
+    help="card policy: binpack, spread, card-only-one, custom-topo or colocation "
+         "(default: the node policy's own, else binpack)")]
+CardOnlyOneScopeOption = Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
+TopoOption = Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")]
+SeedOption = Annotated[int, typer.Option(help="seed for tie-breaks")]

@@ -26,7 +26,15 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from gpuplane.cli.common import fail, policy_config
+from gpuplane.cli.common import (
+    CardOnlyOneScopeOption,
+    CardPolicyOption,
+    NodePolicyOption,
+    SeedOption,
+    TopoOption,
+    fail,
+    policy_config,
+)
 from gpuplane.kube.api import ApiError, KubeConfigError, connect_api
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.extender import (
@@ -82,16 +90,11 @@ def register(app: typer.Typer) -> None:
             = "127.0.0.1",
         prefix: Annotated[str, typer.Option(help="URL path prefix of the verbs (the urlPrefix's path)")]
             = DEFAULT_PREFIX,
-        node_policy: Annotated[str, typer.Option("--node-policy", "--policy", help=(
-            "node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd-online, "
-            "fgd-used, colocation"))] = "binpack",
-        card_policy: Annotated[str | None, typer.Option(
-            help="card policy: binpack, spread, card-only-one, custom-topo or colocation "
-                 "(default: the node policy's own, else binpack)")] = None,
-        card_only_one_scope: Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
-            = "workload",
-        topo: Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")] = None,
-        seed: Annotated[int, typer.Option(help="seed for tie-breaks")] = 0,
+        node_policy: NodePolicyOption = "binpack",
+        card_policy: CardPolicyOption = None,
+        card_only_one_scope: CardOnlyOneScopeOption = "workload",
+        topo: TopoOption = None,
+        seed: SeedOption = 0,
         kubeconfig: Annotated[Path | None, typer.Option(
             help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")] = None,
         context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,

@@ -11,7 +11,16 @@ from typing import Annotated
 
 import typer
 
-from gpuplane.cli.common import fail, log_to_stderr, on_sigterm
+from gpuplane.cli.common import (
+    CardOnlyOneScopeOption,
+    CardPolicyOption,
+    NodePolicyOption,
+    SeedOption,
+    TopoOption,
+    fail,
+    log_to_stderr,
+    on_sigterm,
+)
 from gpuplane.kube.scheduler_mode import DEFAULT_LEASE_NAME, DEFAULT_LEASE_NAMESPACE, DEFAULT_SCHEDULER_NAME
 
 
@@ -20,16 +29,11 @@ def register(app: typer.Typer) -> None:
     def scheduler(
         scheduler_name: Annotated[str, typer.Option(help="the spec.schedulerName of the pods to schedule")]
             = DEFAULT_SCHEDULER_NAME,
-        node_policy: Annotated[str, typer.Option("--node-policy", "--policy", help=(
-            "node policy: binpack, spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd-online, "
-            "fgd-used, colocation"))] = "binpack",
-        card_policy: Annotated[str | None, typer.Option(
-            help="card policy: binpack, spread, card-only-one, custom-topo or colocation "
-                 "(default: the node policy's own, else binpack)")] = None,
-        card_only_one_scope: Annotated[str, typer.Option(help="card-only-one scope: workload or all")]
-            = "workload",
-        topo: Annotated[Path | None, typer.Option(help="custom-topo rules (YAML)")] = None,
-        seed: Annotated[int, typer.Option(help="seed for tie-breaks")] = 0,
+        node_policy: NodePolicyOption = "binpack",
+        card_policy: CardPolicyOption = None,
+        card_only_one_scope: CardOnlyOneScopeOption = "workload",
+        topo: TopoOption = None,
+        seed: SeedOption = 0,
         typical_pods: Annotated[str | None, typer.Option(help=(
             "the workload FGD's policies aim at: a bundled trace name (default, gpushare40, gpushare100) or a pod "
             "CSV, as `simulate --trace` reads it (needed by fgd and fgd-online)"))] = None,
