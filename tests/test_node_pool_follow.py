@@ -80,7 +80,7 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S
         ([gpu_pool(migMode="auto")], labelled("shared"), FLAG_SHARING, FLAGS,
          "GpuPool shared is invalid: spec.migMode"),
         # ... invalid as the operator sees it too: a card model the catalog does not know
-        ([gpu_pool(models=["B300"], split=4)], labelled("shared"), FLAG_SHARING, FLAGS,
+        ([gpu_pool(models=["X9000"], split=4)], labelled("shared"), FLAG_SHARING, FLAGS,
          "GpuPool shared is invalid: spec.models[0]"),
     ],
 )
