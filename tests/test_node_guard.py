@@ -649,9 +649,10 @@ def test_bench_guard_prints_reaction_figures() -> None:
 
 
 def test_measure_reaction_returns_one_time_per_sample_and_cleans_up() -> None:
+    before = set(children_of(os.getpid()))  # what other tests of the session may still be running
     reactions = measure_reaction(4, 0.01, offline=1)
     assert len(reactions) == 4 and all(0 < r < 1.0 for r in reactions)
-    assert children_of(os.getpid()) == []  # busy loops and the online process: killed and reaped
+    assert set(children_of(os.getpid())) <= before  # busy loops and the online process: killed and reaped
 
 
 def children_of(parent: int) -> list[int]:

@@ -102,6 +102,7 @@ class ServerProcess:
         self._process.join(10)
         if self._process.is_alive():
             self._process.terminate()
+            self._process.join(10)  # reaped, not left a zombie
 
 
 # ------------------------------------------------------------------ this process: create and watch
@@ -310,6 +311,7 @@ def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads:
                 helper.join(2)
                 if helper.is_alive():
                     helper.terminate()
+                    helper.join(10)
             server.close()
     latencies = [(watcher.bound[name] - at) * 1000 for name, at in sent.items() if name in watcher.bound]
     bound = len(latencies)
