@@ -316,23 +316,34 @@ def simulate(
 def _simulate_scenario(name: str, path: Path | None, assignments: list[str], days: float | None, trace: str,
                        nodes: Path | None, node_policy: str | None, seed: int | None, out_dir: Path,
                        as_json: bool) -> None:
-    from gpuplane.cli.scenarios import print_output, scenario_kinds, scenario_settings
+    _fail(f"--scenario moved: run `gpuplane scenario {name}` (with --set, --scenario-file and --seeds)")
 
-    kinds = scenario_kinds()
-    kind = kinds.get(name)
-    if kind is None:
-        _fail(f"--scenario: choose one of {', '.join(kinds)}, got {name!r}")
-    explicit: dict[str, Any] = {"days": days, "seed": seed, "node_policy": node_policy}
+
+@app.command("scenario")
+def scenario_cmd(
+    name: Annotated[str, typer.Argument(help="colocation, training-faults, tidal, autoscale or training-backfill")],
+    scenario_file: Annotated[Path | None, typer.Option(help="scenario parameters (YAML, any field)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="scenario field=value (repeatable)")] = None,
+    seeds: Annotated[str, typer.Option(help="seeds to run: 1-10, 3, or 1,4,9; figures are medians over them")]
+        = "1-10",
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for NAME.html")] = Path("out"),
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+) -> None:
+    """Run a scenario over seeds: every figure as a median with its spread, goals judged on the median."""
+    from gpuplane.cli.scenario_cmd import print_sweep, run_scenario_command, scenario_settings, sweep_json
+    from gpuplane.sim.scenario import get_scenario, parse_seeds
+
     try:
-        settings = scenario_settings(kind.model, path, assignments, explicit)
-        output = kind.run(settings, trace, nodes, out_dir, err, as_json)
+        scenario = get_scenario(name)
+        settings = scenario_settings(scenario.settings, scenario_file, set_ or [])
+        sweep, report, wall_s = run_scenario_command(scenario, settings, parse_seeds(seeds), out_dir, err, as_json)
     except GpuplaneError as exc:
         _fail(str(exc))
     if as_json:
-        print(json.dumps(output.figures))
+        print(json.dumps(sweep_json(sweep, report, wall_s)))
         return
-    print_output(out, output)
-    out.print(f"report: {output.report}")
+    print_sweep(out, scenario, sweep, wall_s)
+    out.print(f"report: {report}")
 
 
 @app.command()

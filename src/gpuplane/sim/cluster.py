@@ -3,6 +3,10 @@
 It plays the API server and the kubelets: it stores nodes and pods, validates binds against its own
 authoritative accounting (a bind that no longer fits fails with a conflict, as a kubelet admission
 would), runs graceful evictions in virtual time and delivers watch events synchronously, in order.
+
+Termination takes a kubelet's time: an evicted pod stays Terminating until its container exits (the
+workload says so with `container_exited`) or its grace runs out (SIGKILL), then for `stop_s` more while
+the runtime stops the container and its devices are released; only then is it deleted.
 """
 
 from __future__ import annotations
@@ -57,8 +61,13 @@ def _merge(pairs: tuple[tuple[str, str], ...], changes: Mapping[str, str | None]
 
 class SimCluster:
     def __init__(self, catalog: Catalog, nodes: Sequence[NodeSpec], *, loop: EventLoop | None = None,
-                 pools: Mapping[str, PoolConfig] | None = None) -> None:
+                 pools: Mapping[str, PoolConfig] | None = None, stop_s: float = 0.0) -> None:
+        if stop_s < 0:
+            raise ValueError(f"stop_s must not be negative, got {stop_s}")
         self.loop = loop if loop is not None else EventLoop()  # an empty EventLoop is falsy (__len__)
+        self.stop_s = stop_s
+        """seconds from a container's exit (or kill) until its pod is gone and its cards are free"""
+        self._stopping: set[str] = set()
         self.catalog = catalog
         self.state = ClusterState(catalog, nodes, pools)
         self._nodes: dict[str, NodeInfo] = {spec.name: NodeInfo(spec, 1) for spec in self.state.nodes}
@@ -149,18 +158,38 @@ class SimCluster:
             return Status.error(f"pod {pod} not found")
         if info.phase is PodPhase.TERMINATING:
             return Status.success()
-        if info.phase is PodPhase.PENDING or grace_s <= 0:
+        if info.phase is PodPhase.PENDING or (grace_s <= 0 and self.stop_s <= 0):
             return self.delete_pod(pod)
         terminating = replace(info, phase=PodPhase.TERMINATING,
                               annotations=(*info.annotations, ("gpuplane.io/eviction-reason", reason)))
         self._pods[pod] = terminating
         self._emit(EventKind.POD_TERMINATING, pod=terminating)
-        self.loop.call_later(grace_s, lambda: self._finish_eviction(pod, terminating))
+        self.loop.call_later(max(0.0, grace_s), lambda: self._stop_container(pod, terminating))
         return Status.success()
 
-    def _finish_eviction(self, pod: str, terminating: PodInfo) -> None:
+    def container_exited(self, pod: str) -> Status:
+        """The Terminating pod's process exited before its grace ran out: the kubelet stops it now."""
+        info = self._pods.get(pod)
+        if info is None:
+            return Status.error(f"pod {pod} not found")
+        if info.phase is not PodPhase.TERMINATING:
+            return Status.error(f"conflict: pod {pod} is {info.phase.value}, not Terminating")
+        self._stop_container(pod, info)
+        return Status.success()
+
+    def _stop_container(self, pod: str, terminating: PodInfo) -> None:
         # Only the eviction that made this pod object Terminating may delete it: a pod deleted and
         # created again under the same name must not be cut short by an older eviction's timer.
+        if self._pods.get(pod) is not terminating or pod in self._stopping:
+            return
+        if self.stop_s <= 0:
+            self.delete_pod(pod)
+            return
+        self._stopping.add(pod)
+        self.loop.call_later(self.stop_s, lambda: self._finish_eviction(pod, terminating))
+
+    def _finish_eviction(self, pod: str, terminating: PodInfo) -> None:
+        self._stopping.discard(pod)
         if self._pods.get(pod) is terminating:
             self.delete_pod(pod)
 
@@ -168,6 +197,7 @@ class SimCluster:
         info = self._pods.pop(pod, None)
         if info is None:
             return Status.error(f"pod {pod} not found")
+        self._stopping.discard(pod)
         if pod in self.state.bindings:
             self.state.release(pod)
         workload = info.request.workload
