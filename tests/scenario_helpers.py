@@ -1,4 +1,5 @@
-"""Helpers shared by the scenario tests (training-backfill, tidal)."""
+"""Helpers shared by the scenario tests: `gpuplane scenario NAME` invoked through the CLI, with the run
+captured so that settings can be checked without running."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from typing import Any, TypeVar
 
 import pytest
 from pydantic import BaseModel
-from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from gpuplane.cli import scenarios
+from gpuplane.cli import scenario_cmd
 from gpuplane.cli.main import app
 
 M = TypeVar("M", bound=BaseModel)
@@ -33,23 +33,26 @@ def without_wall_time(figures: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in figures.items() if not k.endswith("_wall_s") and k != "report"}
 
 
-def capture_settings(monkeypatch: pytest.MonkeyPatch, runner_name: str, model: type[M]) -> list[M]:
-    """Replace a scenario's run (`scenarios.<runner_name>`): the CLI's settings are recorded, nothing runs."""
+def capture_settings(monkeypatch: pytest.MonkeyPatch, model: type[M]) -> list[M]:
+    """Replace the scenario run behind `gpuplane scenario`: the CLI's settings are recorded, nothing runs, and
+    the JSON printed is {"captured": true}."""
     seen: list[M] = []
 
-    def fake(settings: BaseModel, trace: str, nodes_path: Path | None, out_dir: Path, err: Console,
-             quiet: bool) -> scenarios.ScenarioOutput:
+    def fake(scenario: object, settings: BaseModel, seeds: object, out_dir: Path, err: object,
+             quiet: bool) -> tuple[None, Path, float]:
         assert isinstance(settings, model)
         seen.append(settings)
-        return scenarios.ScenarioOutput({"captured": True}, out_dir / "report.html", [], ("a", "b"), "", "")
+        return None, out_dir / "report.html", 0.0
 
-    monkeypatch.setattr(scenarios, runner_name, fake)
+    monkeypatch.setattr(scenario_cmd, "run_scenario_command", fake)
+    monkeypatch.setattr(scenario_cmd, "sweep_json", lambda sweep, report, wall_s: {"captured": True})
     return seen
 
 
-def invoke_scenario(tmp_path: Path, scenario: str, args: list[str], file_text: str | None = None) -> Result:
-    """`gpuplane simulate --scenario NAME --json --out TMP ARGS`, with `file_text` as --scenario-file if given."""
-    command = ["simulate", "--scenario", scenario, "--json", "--out", str(tmp_path), *args]
+def invoke_scenario(tmp_path: Path, scenario: str, args: list[str], file_text: str | None = None,
+                    seeds: str = "1") -> Result:
+    """`gpuplane scenario NAME --seeds SEEDS --json --out TMP ARGS`, with `file_text` as --scenario-file if given."""
+    command = ["scenario", scenario, "--seeds", seeds, "--json", "--out", str(tmp_path), *args]
     if file_text is not None:
         path = tmp_path / "s.yaml"
         path.write_text(file_text)
