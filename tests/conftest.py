@@ -17,3 +17,15 @@ def stub() -> Iterator[StubPrometheus]:
         yield server
     finally:
         server.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A skipped test is a failure of the setup (a missing tool, an artefact the repository ships): it is
+    reported as failed, with the skip's reason, so that no run passes with part of the suite left out."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, which this suite counts as a failure of the setup: {reason}"
