@@ -541,3 +541,182 @@ def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> Non
         assert cached is not None and cached["spec"]["nodeName"] == "n1"
     finally:
         informer.stop()
+
+
+# ------------------------------------------------------------------ the write path's own connections
+class ScriptedServer:
+    """A raw HTTP server answering each request with what `answer(connection, method, path)` returns: the bytes
+    to write (then the connection stays open) or None (close it without answering). Records, per request, which
+    connection it came on (0, 1, … in accept order)."""
+
+    def __init__(self, answer: Callable[[int, str, str], bytes | None], tls: Any = None) -> None:
+        import socket as socket_module
+
+        self.answer = answer
+        self.seen: list[tuple[int, str, str, bytes]] = []
+        self._listener = socket_module.create_server(("127.0.0.1", 0))
+        self._tls = tls
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        index = 0
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, index), daemon=True).start()
+            index += 1
+
+    def _serve(self, sock: Any, index: int) -> None:
+        try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True)
+            reader = sock.makefile("rb")
+            while True:
+                line = reader.readline()
+                if not line:
+                    return
+                method, path, _ = line.decode().split(" ", 2)
+                length = 0
+                while (header := reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                self.seen.append((index, method, path, reader.read(length)))
+                out = self.answer(index, method, path)
+                if out is None:
+                    return
+                sock.sendall(out)
+        except OSError:
+            return
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def http_answer(status: int, body: bytes, *extra: str) -> bytes:
+    head = [f"HTTP/1.1 {status} X", "Content-Type: application/json", *extra]
+    if not any(h.lower().startswith("transfer-encoding") for h in extra):
+        head.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def chunked(*parts: bytes) -> bytes:
+    """`parts` as chunks (the first with a chunk extension), then the last chunk and a trailer."""
+    out = b"".join(b"%x%s\r\n%s\r\n" % (len(p), b";x=1" if i == 0 else b"", p) for i, p in enumerate(parts))
+    return out + b"0\r\nTrailer-X: 1\r\n\r\n"
+
+
+def test_writes_share_one_kept_alive_connection_and_read_every_answer_form() -> None:
+    """Content-Length, chunked (with an extension and a trailer), 100 Continue before the answer, 204 with no
+    body: each read whole, so the next write on the same connection starts clean."""
+    answers = {
+        ("POST", "/a"): http_answer(201, b'{"n": 1}'),
+        ("PATCH", "/b"): http_answer(200, chunked(b'{"n"', b": 2}"), "Transfer-Encoding: chunked"),
+        ("PUT", "/c"): b"HTTP/1.1 100 Continue\r\n\r\n" + http_answer(200, b'{"n": 3}'),
+        ("DELETE", "/d"): b"HTTP/1.1 204 No Content\r\n\r\n",
+        ("POST", "/e"): http_answer(409, b'{"kind": "Status", "reason": "Conflict", "message": "taken"}'),
+    }
+    server = ScriptedServer(lambda _, method, path: answers[(method, path)])
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{server.port}", request_timeout_s=5.0)
+        assert api.create("/a", {"x": 1}) == {"n": 1}
+        assert api.patch("/b", {"x": 2}) == {"n": 2}
+        assert api.replace("/c", {"x": 3}) == {"n": 3}
+        assert api.delete("/d") == {}
+        with pytest.raises(ApiError) as conflict:
+            api.create("/e", {})
+        assert (conflict.value.status, conflict.value.reason, conflict.value.message) == (409, "Conflict", "taken")
+        assert api.create("/a", {"x": 4}) == {"n": 1}  # the 409 was read whole too
+        api.close()
+    finally:
+        server.close()
+    assert [(c, m, p) for c, m, p, _ in server.seen] == [
+        (0, "POST", "/a"), (0, "PATCH", "/b"), (0, "PUT", "/c"), (0, "DELETE", "/d"), (0, "POST", "/e"),
+        (0, "POST", "/a")]
+    assert [json.loads(b) if b else None for _, _, _, b in server.seen] == [
+        {"x": 1}, {"x": 2}, {"x": 3}, None, {}, {"x": 4}]
+
+
+def test_a_connection_the_answer_closes_is_not_used_again() -> None:
+    """`Connection: close`, or an HTTP/1.0 answer, ends the connection: the next write opens another."""
+    def answer(connection: int, method: str, path: str) -> bytes:
+        if connection == 0:
+            return http_answer(200, b"{}", "Connection: close")
+        return http_answer(200, b"{}").replace(b"HTTP/1.1", b"HTTP/1.0") if connection == 1 else \
+            http_answer(200, b"{}")
+
+    server = ScriptedServer(answer)
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{server.port}", request_timeout_s=5.0)
+        for _ in range(4):
+            assert api.create("/x", {}) == {}
+    finally:
+        server.close()
+    assert [c for c, _, _, _ in server.seen] == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize(("method", "sent_again"), [("PUT", True), ("DELETE", True), ("POST", False),
+                                                    ("PATCH", False)])
+def test_a_kept_alive_connection_closed_before_answering(method: str, sent_again: bool) -> None:
+    """The server takes the second request on a kept-alive connection and closes without answering. PUT and
+    DELETE are idempotent: sent once more on a new connection. POST and PATCH may have been applied: status 0
+    (urllib3 does not resend them either), and the next write opens a new connection."""
+    def answer(connection: int, _method: str, path: str) -> bytes | None:
+        return None if (connection, path) == (0, "/second") else http_answer(200, b'{"ok": true}')
+
+    server = ScriptedServer(answer)
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{server.port}", request_timeout_s=5.0)
+        call = {"PUT": api.replace, "POST": api.create, "PATCH": api.patch,
+                "DELETE": lambda path, body: api.delete(path)}[method]
+        assert call("/first", {}) == {"ok": True}
+        if sent_again:
+            assert call("/second", {}) == {"ok": True}
+        else:
+            with pytest.raises(ApiError) as lost:
+                call("/second", {})
+            assert (lost.value.status, lost.value.reason) == (0, "ConnectionError")
+        assert call("/third", {}) == {"ok": True}
+    finally:
+        server.close()
+    expected = [(0, "/first"), (0, "/second")] + ([(1, "/second")] if sent_again else []) + [(1, "/third")]
+    assert [(c, p) for c, _, p, _ in server.seen] == expected
+
+
+def test_writes_over_tls_verify_the_server_as_the_client_is_configured(tmp_path: Any) -> None:
+    """The write path's connections are set up by the client's urllib3 pool: a configured CA is trusted, and a
+    server the configuration does not trust is refused (status 0), never written to."""
+    import shutil
+    import ssl
+    import subprocess
+
+    from kubernetes.client import Configuration
+
+    assert shutil.which("openssl"), "the openssl CLI makes the test certificate"
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=gpuplane-test", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(cert), str(key))
+    server = ScriptedServer(lambda *_: http_answer(201, b'{"ok": 1}'), tls=context)
+    try:
+        trusting = Configuration(host=f"https://127.0.0.1:{server.port}")
+        trusting.ssl_ca_cert = str(cert)
+        api = RestKubeApi.from_configuration(trusting, request_timeout_s=5.0)
+        assert api.create("/a", {}) == {"ok": 1}
+        assert api.create("/b", {}) == {"ok": 1}
+        stranger = RestKubeApi.from_configuration(Configuration(host=f"https://127.0.0.1:{server.port}"),
+                                                  request_timeout_s=5.0)
+        with pytest.raises(ApiError) as refused:
+            stranger.create("/c", {})
+        assert refused.value.status == 0
+    finally:
+        server.close()
+    assert [(c, p) for c, _, p, _ in server.seen] == [(0, "/a"), (0, "/b")]

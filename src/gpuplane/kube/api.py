@@ -93,6 +93,8 @@ DEFAULT_PAGE_SIZE = 500
 _WATCH_READ_SLACK_S = 30.0
 _PLAIN_PATH = re.compile(r"[A-Za-z0-9/._~:@!$&'()*+,;=%-]*")
 """A path urllib3 sends as it is (nothing in it to percent-encode)."""
+_MAX_LINE = 65537
+"""Longest status or header line read (http.client's limit)."""
 
 
 class KubeConfigError(GpuplaneError):
@@ -189,6 +191,100 @@ class WatchStream:
             self._response.release_conn()
 
 
+class _Unanswered(ConnectionError):
+    """The server closed the connection before any byte of an answer."""
+
+
+class _Wire:
+    """One keep-alive HTTP/1.1 connection of the write path: the socket urllib3 connected (TCP_NODELAY and TLS
+    as the client's pool sets them up) and a buffered reader. One request at a time; the answer is read whole,
+    by its Content-Length or chunked, so the next request starts clean."""
+
+    __slots__ = ("conn", "reader", "sock")
+
+    def __init__(self, conn: Any, sock: socket.socket) -> None:
+        self.conn = conn
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+
+    def usable(self) -> bool:
+        """Not closed by the server while idle (nothing to read on an idle connection but its end)."""
+        try:
+            return not urllib3.util.wait.wait_for_read(self.sock, timeout=0.0)
+        except (OSError, ValueError):
+            return False
+
+    def exchange(self, request: bytes) -> tuple[int, str, bytes, bool]:
+        """Send `request`; (status, reason, body, whether the connection can be kept) of its answer."""
+        self.sock.sendall(request)
+        reader = self.reader
+        while True:
+            line = reader.readline(_MAX_LINE)
+            if not line:
+                raise _Unanswered("the server closed the connection without an answer")
+            version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
+            code, _, reason = rest.partition(" ")
+            status = int(code)
+            length: int | None = None
+            chunked = False
+            close = version == "HTTP/1.0"
+            while True:
+                header = reader.readline(_MAX_LINE)
+                if header in (b"\r\n", b"\n"):
+                    break
+                if not header:
+                    raise ConnectionError("the answer's headers ended early")
+                name, _, value = header.partition(b":")
+                name = name.strip().lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    chunked = b"chunked" in value.lower()
+                elif name == b"connection":
+                    close = b"close" in value.lower() or (close and b"keep-alive" not in value.lower())
+            if status >= 200:
+                break  # 1xx (100 Continue, 103 Early Hints) are followed by the real answer
+        if status in (204, 304):
+            body = b""
+        elif chunked:
+            body = self._chunks()
+        elif length is not None:
+            body = reader.read(length)
+            if len(body) < length:
+                raise ConnectionError(f"the answer ended after {len(body)} of {length} bytes")
+        else:
+            body = reader.read()  # the body runs to the end of the connection
+            close = True
+        return status, reason, body, not close
+
+    def _chunks(self) -> bytes:
+        reader = self.reader
+        parts: list[bytes] = []
+        while True:
+            size = int(reader.readline(_MAX_LINE).split(b";", 1)[0].strip() or b"x", 16)
+            if size == 0:
+                while reader.readline(_MAX_LINE) not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(parts)
+            chunk = reader.read(size + 2)
+            if len(chunk) < size + 2:
+                raise ConnectionError("the answer ended inside a chunk")
+            parts.append(chunk[:size])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.reader.close()
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+def _host_header(scheme: str, hostname: str, port: int | None) -> str:
+    """The Host header http.client writes: the port only when it is not the scheme's default; IPv6 bracketed."""
+    name = f"[{hostname}]" if ":" in hostname and not hostname.startswith("[") else hostname
+    default = 443 if scheme == "https" else 80
+    return name if port is None or port == default else f"{name}:{port}"
+
+
 class RestKubeApi:
     """`KubeApi` over the official client's `ApiClient` (config, auth, TLS, connection pool).
 
@@ -204,6 +300,8 @@ class RestKubeApi:
         self.page_size = page_size
         self._origin: tuple[str, str, str, int | None, str] = ("", "", "", None, "")
         """The configuration's host, and its scheme, name, port and path as urllib3 parses them."""
+        self._wires: list[_Wire] = []
+        """The write path's idle keep-alive connections (taken and given back whole: list pop and append)."""
 
     @classmethod
     def from_url(cls, url: str, *, token: str | None = None, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -219,15 +317,15 @@ class RestKubeApi:
         return cls(ApiClient(configuration), **kwargs)
 
     def close(self) -> None:
+        while self._wires:
+            self._wires.pop().close()
         self.client.close()  # type: ignore[no-untyped-call]
 
     # -- transport ---------------------------------------------------------------------------------------------
 
-    def _call(self, method: str, path: str, *, query: Sequence[tuple[str, str]] = (), body: Any = None,
-              content_type: str | None = None, read_timeout_s: float | None = None) -> Any:
-        """The unread urllib3 response of a 2xx answer; `ApiError` otherwise."""
-        if method != "GET":
-            return self._send(method, path, body, content_type)
+    def _call(self, method: str, path: str, *, query: Sequence[tuple[str, str]] = (),
+              read_timeout_s: float | None = None) -> Any:
+        """The unread urllib3 response of a 2xx answer to a read; `ApiError` otherwise."""
         headers = {"Accept": "application/json"}
         method, url, headers, _, _ = self.client.param_serialize(
             method, path, query_params=list(query), header_params=headers, auth_settings=["BearerToken"])
@@ -240,13 +338,17 @@ class RestKubeApi:
             raise _transport_error(exc) from exc
         return _checked(answer.response, answer.status, answer.reason)
 
-    def _send(self, method: str, path: str, body: Any, content_type: str | None) -> Any:
-        """A write, straight to the client's own urllib3 pool manager (its TLS, proxy and retry settings), with
-        the headers `param_serialize` would build (the client's default headers and cookie, the bearer token as
-        `update_params_for_auth` gives it, refresh hook included) and the body encoded once here: what
-        `call_api` sends for a JSON body, without its per-request serialisation passes (about half of a bind
-        lane's CPU per request, profiled under `gpuplane bench kube`). Reads keep the official path (the
-        client's read retries apply to them)."""
+    def _send(self, method: str, path: str, body: Any, content_type: str | None) -> bytes:
+        """A write: the body of its 2xx answer, `ApiError` otherwise.
+
+        Sent with the headers `param_serialize` would build (the client's default headers and cookie, the bearer
+        token as `update_params_for_auth` gives it, refresh hook included) and the body encoded once here. With
+        no proxy and nothing in the path to percent-encode, it goes over one of this client's own keep-alive
+        connections (`_Wire`: the socket the client's urllib3 pool connects, its TLS settings included; the
+        request written and the answer read directly), which costs a fifth of the client CPU of urllib3's
+        request path (`gpuplane bench kube`'s bind lanes make three writes a pod). Otherwise, or when a new
+        connection cannot be made (urllib3 then retries as configured), urllib3's pool sends it. Reads keep the
+        official path (the client's read retries apply to them)."""
         client = self.client
         headers = {"Accept": "application/json", **client.default_headers}
         if client.cookie:
@@ -256,15 +358,22 @@ class RestKubeApi:
         if body is not None:
             headers["Content-Type"] = content_type or "application/json"
             data = json.dumps(body, separators=(",", ":")).encode()
-        timeout = urllib3.Timeout(connect=self.request_timeout_s, read=self.request_timeout_s)
         manager = client.rest_client.pool_manager
         host = client.configuration.host
+        plain = type(manager) is urllib3.PoolManager and _PLAIN_PATH.fullmatch(path) is not None
+        if plain:
+            if self._origin[0] != host:
+                url = urllib3.util.parse_url(host)
+                self._origin = (host, url.scheme or "http", url.host or "", url.port, url.path or "")
+            answer = self._over_wire(manager, method, self._origin[4] + path, data, headers)
+            if answer is not None:
+                status, reason, raw = answer
+                if 200 <= status <= 299:
+                    return raw
+                raise _status_error(status, raw, reason)
+        timeout = urllib3.Timeout(connect=self.request_timeout_s, read=self.request_timeout_s)
         try:
-            if type(manager) is urllib3.PoolManager and _PLAIN_PATH.fullmatch(path):
-                # No proxy, nothing to percent-encode: straight to the host's pool, where `urlopen` would go.
-                if self._origin[0] != host:
-                    url = urllib3.util.parse_url(host)
-                    self._origin = (host, url.scheme or "http", url.host or "", url.port, url.path or "")
+            if plain:  # no proxy: straight to the host's pool, where `urlopen` would go
                 _, scheme, hostname, port, base = self._origin
                 pool = manager.connection_from_host(hostname, port, scheme)
                 response = pool.urlopen(method, base + path, body=data, headers=headers, timeout=timeout,
@@ -274,16 +383,89 @@ class RestKubeApi:
                                            preload_content=False)
         except Exception as exc:  # urllib3 errors (refused, reset, timed out, TLS)
             raise _transport_error(exc) from exc
-        return _checked(response, response.status, response.reason)
-
-    def _json(self, method: str, path: str, **kwargs: Any) -> JsonObject:
-        response = self._call(method, path, **kwargs)
+        response = _checked(response, response.status, response.reason)
         try:
             raw = response.read()
         except Exception as exc:
             raise _transport_error(exc) from exc
         finally:
             response.release_conn()
+        return bytes(raw)
+
+    def _over_wire(self, manager: urllib3.PoolManager, method: str, target: str, data: bytes | None,
+                   headers: Mapping[str, str]) -> tuple[int, str, bytes] | None:
+        """(status, reason, body) of one request over an idle `_Wire` (or a new one); None when no connection
+        could be made (the caller falls back to urllib3's pool, whose retries apply). A request that was sent
+        and got no whole answer is `ApiError(0)`, as urllib3 reports it for a write; PUT and DELETE (idempotent)
+        are sent once more on a new connection when a kept-alive one turns out closed before any answer."""
+        _, scheme, hostname, port, _ = self._origin
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {_host_header(scheme, hostname, port)}",
+                 "Accept-Encoding: identity", *(f"{k}: {v}" for k, v in headers.items())]
+        if data is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"Content-Length: {len(data) if data is not None else 0}")
+        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (data or b"")
+        for attempt in range(2):
+            wire = self._idle_wire()
+            reused = wire is not None
+            if wire is None:
+                wire = self._new_wire(manager)
+                if wire is None:
+                    return None
+            try:
+                status, reason, raw, keep = wire.exchange(request)
+            except _Unanswered as exc:
+                wire.close()
+                if reused and attempt == 0 and method in ("PUT", "DELETE"):
+                    continue
+                raise _transport_error(exc) from exc
+            except Exception as exc:  # reset, timed out, a malformed answer
+                wire.close()
+                raise _transport_error(exc) from exc
+            if keep:
+                self._wires.append(wire)
+            else:
+                wire.close()
+            return status, reason, raw
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _idle_wire(self) -> _Wire | None:
+        """A kept-alive connection the server has not closed meanwhile (urllib3's own check before reuse)."""
+        while True:
+            try:
+                wire = self._wires.pop()
+            except IndexError:
+                return None
+            if wire.usable():
+                return wire
+            wire.close()
+
+    def _new_wire(self, manager: urllib3.PoolManager) -> _Wire | None:
+        _, scheme, hostname, port, _ = self._origin
+        try:
+            conn: Any = manager.connection_from_host(hostname, port, scheme)._new_conn()
+            conn.timeout = self.request_timeout_s
+            conn.connect()
+            sock = conn.sock
+            if sock is None:
+                conn.close()
+                return None
+            sock.settimeout(self.request_timeout_s)
+            return _Wire(conn, sock)
+        except Exception:  # refused, TLS, …: urllib3's own path retries and reports it
+            return None
+
+    def _json(self, method: str, path: str, *, query: Sequence[tuple[str, str]] = (), body: Any = None,
+              content_type: str | None = None) -> JsonObject:
+        if method != "GET":
+            raw = self._send(method, path, body, content_type)
+        else:
+            response = self._call(method, path, query=query)
+            try:
+                raw = response.read()
+            except Exception as exc:
+                raise _transport_error(exc) from exc
+            finally:
+                response.release_conn()
         if not raw:
             return {}
         parsed = json.loads(raw)
