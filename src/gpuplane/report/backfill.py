@@ -1,98 +1,76 @@
-"""The training-backfill report: the comparison table and plots of allocation over time and normal-pod waits."""
+"""The training-backfill report's own sections: allocation over time and the normal pods' waits, from the
+median run of a seed sweep, and each seed's wait change."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import html
+from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from gpuplane.report.html import comparison_table, image, page, png, settings_table
-from gpuplane.sim.backfill import BackfillComparison, BackfillRun
-
-ROWS: tuple[tuple[str, str], ...] = (
-    ("mean GPU allocation (%)", "mean_allocation_pct"),
-    ("  of which normal pods (%)", "normal_allocation_pct"),
-    ("normal pods: wait p50 (s)", "normal_wait_p50_s"),
-    ("normal pods: wait p95 (s)", "normal_wait_p95_s"),
-    ("normal pods: mean wait (s)", "normal_wait_mean_s"),
-    ("normal pods submitted", "normal_pods_submitted"),
-    ("normal pods still pending at the end", "normal_pods_pending_at_end"),
-    ("preemptions (pods evicted)", "preemptions"),
-    ("  normal pods preempted", "normal_pods_preempted"),
-    ("  batch pods preempted", "batch_pods_preempted"),
-    ("work lost (GPU-hours)", "work_lost_gpu_hours"),
-    ("batch work done (GPU-hours)", "batch_gpu_hours_done"),
-    ("batch pods completed", "batch_pods_completed"),
-    ("simulation wall time (s)", "wall_s"),
-)
+from gpuplane.report.html import comparison_table, image, png
+from gpuplane.sim.backfill import BackfillFigures
+from gpuplane.sim.scenario import Sweep
 
 
-def comparison_rows(comparison: BackfillComparison) -> list[tuple[str, str, str]]:
-    figures = comparison.figures()
-    return [(label, str(figures[f"no_backfill_{key}"]), str(figures[f"backfill_{key}"])) for label, key in ROWS]
-
-
-def _allocation_plot(comparison: BackfillComparison) -> str:
+def _allocation_plot(run: BackfillFigures) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
-    for run, label, style in ((comparison.without, "no backfill", "-"), (comparison.with_backfill, "backfill", "-")):
-        hours = np.asarray(run.time_s) / 3600.0
-        ax.plot(hours, run.allocation_pct, style, label=f"{label}: all pods", linewidth=1.3)
-    run = comparison.with_backfill
-    ax.plot(np.asarray(run.time_s) / 3600.0, run.normal_allocation_pct, ":", label="backfill: normal pods only",
-            linewidth=1.2)
-    start, end = comparison.without.window_s
+    hours = np.asarray(run.time_s) / 3600.0
+    ax.plot(hours, run.no_backfill_allocation_series, label="no backfill", linewidth=1.3)
+    ax.plot(hours, run.backfill_allocation_series, label="backfill: all pods", linewidth=1.3)
+    ax.plot(hours, run.backfill_normal_allocation_series, ":", label="backfill: normal pods only", linewidth=1.2)
+    start, end = run.window_s
     ax.axvspan(0, start / 3600.0, color="grey", alpha=0.12, label="warm-up (left out)")
     ax.set_xlim(0, end / 3600.0)
     ax.set_ylim(0, 105)
     ax.set_xlabel("virtual time (h)")
     ax.set_ylabel("GPU allocation (% of capacity)")
-    ax.set_title("GPU allocation over time")
+    ax.set_title("GPU allocation over time (the median run)")
     ax.legend(loc="lower right", fontsize=8)
     return png(fig)
 
 
-def _wait_plot(comparison: BackfillComparison) -> str:
+def _wait_plot(run: BackfillFigures) -> str:
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    for run, label in ((comparison.without, "no backfill"), (comparison.with_backfill, "backfill")):
-        waits = np.sort(np.asarray(run.normal_waits_s)) if run.normal_waits_s else np.zeros(1)
-        share = np.arange(1, len(waits) + 1) / len(waits) * 100.0
-        ax.step(np.maximum(waits, 0.1), share, where="post", label=label)
+    for waits, label in ((run.no_backfill_waits_s, "no backfill"), (run.backfill_waits_s, "backfill")):
+        finite = np.sort(np.asarray([w for w in waits if np.isfinite(w)], np.float64))
+        if not len(finite):
+            continue
+        share = np.arange(1, len(finite) + 1) / len(finite) * 100.0
+        ax.step(np.maximum(finite, 0.1), share, where="post", label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("wait of a normal pod (s, log; 0 drawn at 0.1)")
+    ax.set_xlabel("wait of a normal pod, arrival to bind (s, log; 0 drawn at 0.1)")
     ax.set_ylabel("pods (%)")
-    ax.set_ylim(_floor(comparison), 100.2)
-    ax.set_title("Normal pods: wait CDF (the top of the curve)")
+    ax.set_ylim(0, 100.5)
+    ax.set_title("Normal pods: wait CDF (the median run)")
     ax.legend(loc="lower right", fontsize=8)
     return png(fig)
 
 
-def _floor(comparison: BackfillComparison) -> float:
-    shares = []
-    for run in (comparison.without, comparison.with_backfill):
-        if run.normal_waits_s:
-            shares.append(float(np.mean(np.asarray(run.normal_waits_s) <= 0.0)) * 100.0)
-    return max(0.0, min(shares, default=90.0) - 2.0)
+def seed_rows(sweep: Sweep[Any, BackfillFigures]) -> list[tuple[str, ...]]:
+    """Per seed: allocation gain, mean and p95 wait without and with backfill, share of pods that waited longer."""
+    return [(f"seed {seed}", f"{run.allocation_gain_points:.1f}",
+             f"{run.no_backfill_normal_wait_mean_s:.1f} → {run.backfill_normal_wait_mean_s:.1f}",
+             f"{run.no_backfill_normal_wait_p95_s:.1f} → {run.backfill_normal_wait_p95_s:.1f}",
+             f"{run.normal_pods_waited_longer_pct:.1f}", f"{run.batch_lost_gpu_h:.2f}")
+            for seed, run in zip(sweep.seeds, sweep.runs, strict=True)]
 
 
-def write_backfill_report(comparison: BackfillComparison, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figures = comparison.figures()
-    scenario = comparison.scenario
-    body = (
-        f"<p>{figures['nodes']} nodes, {figures['gpus']} GPUs, {scenario.days:g} virtual day(s), seed {scenario.seed}. "
-        "Normal pods take the trace's shapes and lifetimes and arrive with a diurnal rate; the backfill run adds "
-        f"a pipeline that keeps {scenario.batch_backlog} low-priority batch pods pending. Figures leave out the "
-        f"first {scenario.warmup_hours:g} h.</p>"
-        f"<p><b>Allocation gain from backfill: {figures['allocation_gain_points']} points.</b> "
-        f"Normal-pod wait change: p50 {figures['normal_wait_p50_change_pct']} %, "
-        f"p95 {figures['normal_wait_p95_change_pct']} %.</p>"
-        + comparison_table(["no backfill", "backfill"], comparison_rows(comparison))
-        + image("allocation", _allocation_plot(comparison)) + image("waits", _wait_plot(comparison))
-        + settings_table(scenario)
-    )
-    path.write_text(page("gpuplane: training cluster with low-priority backfill", body), encoding="utf-8")
-    return path
+def sections(sweep: Sweep[Any, BackfillFigures]) -> Sequence[str]:
+    """HTML fragments for the generic scenario report."""
+    run = sweep.median_run("allocation_gain_points")
+    settings = sweep.settings
+    note = (f"<p>Victims get their class's grace (batch {settings.batch_grace_s:g} s); a batch pod that traps "
+            f"SIGTERM saves ({settings.batch_save_s:g} s) and exits, then the container takes "
+            f"{settings.kubelet_stop_s:g} s to stop. A normal pod that displaces batch pods is bound when the "
+            "last of them is gone, so its wait includes that termination.</p>")
+    table = comparison_table(("allocation gain (points)", "mean wait (s)", "p95 wait (s)", "waited longer (%)",
+                              "batch lost (GPU-h)"), seed_rows(sweep))
+    return (f"<h2>{html.escape('Backfill: allocation and normal-pod waits')}</h2>" + note,
+            image("allocation over time", _allocation_plot(run)), image("normal-pod waits", _wait_plot(run)),
+            "<h2>Per seed</h2>" + table)
 
 
-__all__ = ["BackfillRun", "comparison_rows", "write_backfill_report"]
+__all__ = ["sections", "seed_rows"]
