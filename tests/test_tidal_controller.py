@@ -23,13 +23,14 @@ from pydantic import ValidationError
 
 from builders import CATALOG, node, pod
 from gpuplane.controllers import (
+    EARLY_RECLAIM_REASON,
     LOAN_ANNOTATION,
     LOAN_LABEL,
     LOAN_TAINT,
     RECLAIM_ANNOTATION,
     SUBSET_LABEL,
     DrainOrder,
-    LoadForecast,
+    FixedForecast,
     ServiceBinding,
     TidalController,
     drain_costs,
@@ -506,7 +507,7 @@ class World:
     def build_controller(self, *, lend: bool = True,
                          drain_order: DrainOrder = DrainOrder.FEWEST_INSTANCES) -> TidalController:
         load = self.load
-        return TidalController(self.cluster, POLICY, [BINDING], LoadForecast(lambda svc, t, horizon: load[svc]),
+        return TidalController(self.cluster, POLICY, [BINDING], FixedForecast(lambda svc, t, horizon: load[svc]),
                                self.cluster.loop.now, lend=lend, drain_order=drain_order)
 
     def tick(self) -> None:
@@ -604,7 +605,7 @@ def two_services(load: dict[str, float]) -> TidalController:
     policy = TidalPolicy(services=(CHAT, embed), windows=(NIGHT,))
     cluster = SimCluster(CATALOG, [eight("s0", STABLE_POOL, "stable")])
     bindings = [BINDING, ServiceBinding("embed", 5.0, MILLI_PER_CARD)]
-    return TidalController(cluster, policy, bindings, LoadForecast(lambda svc, t, horizon: load[svc]),
+    return TidalController(cluster, policy, bindings, FixedForecast(lambda svc, t, horizon: load[svc]),
                            cluster.loop.now)
 
 
@@ -643,7 +644,7 @@ def test_a_policy_naming_a_service_the_cluster_does_not_run_is_refused(bound: li
     cluster = SimCluster(CATALOG, [eight("s0", STABLE_POOL, "stable")])
     bindings = [ServiceBinding(name, 10.0, MILLI_PER_CARD) for name in bound]
     with pytest.raises(TidalPolicyError) as raised:
-        TidalController(cluster, policy, bindings, LoadForecast(lambda svc, t, horizon: 0.0), cluster.loop.now)
+        TidalController(cluster, policy, bindings, FixedForecast(lambda svc, t, horizon: 0.0), cluster.loop.now)
     assert f"unknown service(s) {missing}" in str(raised.value)
     assert str(raised.value).startswith("services:")
 
@@ -837,6 +838,63 @@ def test_a_load_spike_while_lent_reclaims_at_once(spike: float, trainers: int, r
     assert [loan.early for loan in controller.history].count(False) == 3 - reclaimed
 
 
+@pytest.mark.parametrize(
+    ("rise_seen_within", "early", "reason"),
+    [
+        # The scaling horizon (1800 s) sees the night; the rise to 400 is seen only at 1800 + GRACE (the time
+        # a reclaimed node takes to free): the reclaim starts now, early, so the node is back in time.
+        (1800.0 + GRACE, 3, EARLY_RECLAIM_REASON),
+        # A rise beyond even that is not acted on yet: nothing is reclaimed.
+        (1800.0 + GRACE + 1.0, 0, None),
+    ],
+)
+def test_a_reclaim_looks_ahead_by_the_grace_it_takes(rise_seen_within: float, early: int,
+                                                     reason: str | None) -> None:
+    world = night(trainers=4)
+    at = hhmm("01:00", 1)
+
+    def peak(service: str, t: float, horizon: float) -> float:
+        return 400.0 if t >= at and horizon >= rise_seen_within else NIGHT_LOAD
+
+    world.controller = TidalController(world.cluster, POLICY, [BINDING], FixedForecast(peak), world.cluster.loop.now)
+    controller = world.controller
+    world.run(at - 1)
+    assert set(controller.ledger) == {"t0", "t1", "t3"}
+    world.run(at)
+    assert controller.stats.early_reclaims == early
+    assert len(world.running("chat-tidal-")) == 4  # scaling saw only the night: its floor 12 − 8 stable
+    reasons = {dict(p.annotations).get("gpuplane.io/eviction-reason") for p in world.cluster.list_pods()
+               if p.phase is PodPhase.TERMINATING}
+    assert reasons == ({reason} if reason else set())
+
+
+class Recording:
+    """A forecast that records what it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float, float]] = []
+
+    def observe(self, service: str, t: float, load: float) -> None:
+        self.seen.append((service, t, load))
+
+    def peak_over(self, service: str, t: float, horizon_s: float) -> float:
+        return 0.0
+
+
+def test_each_pass_feeds_the_forecast_what_the_load_source_reads() -> None:
+    cluster = SimCluster(CATALOG, [eight("s0", STABLE_POOL, "stable")])
+    readings: list[float | None] = [12.0, None, 30.0]
+    forecast = Recording()
+    controller = TidalController(cluster, POLICY, [BINDING], forecast, cluster.loop.now,
+                                 load=lambda service: readings.pop(0))
+    for t in (60.0, 120.0, 180.0):
+        cluster.loop.run(until=t)
+        controller.reconcile()
+    # The unreadable second pass teaches nothing and is counted; the others arrive with their pass's time.
+    assert forecast.seen == [("chat", 60.0, 12.0), ("chat", 180.0, 30.0)]
+    assert controller.stats.load_misses == 1
+
+
 def test_an_early_reclaim_does_not_lend_again_what_it_took_back() -> None:
     # Tidal nodes: ta (4 GPUs, idle once lent), tb and tc (8 GPUs, each running a training pod); headroom 0.
     # Need 13 replicas − 8 min = 5 tidal = 5000 milli, nothing unlent: short 5000. Cheapest first takes ta
@@ -853,7 +911,7 @@ def test_an_early_reclaim_does_not_lend_again_what_it_took_back() -> None:
     cluster.create_workload("chat-tidal", replica("chat-tidal", TIDAL_POOL), 0)
     scheduler = Scheduler(cluster, CATALOG, PROFILE, seed=0, now=cluster.loop.now, rules=SchedulingRules())
     load = {"chat": 0.0}
-    controller = TidalController(cluster, policy, [BINDING], LoadForecast(lambda svc, t, horizon: load[svc]),
+    controller = TidalController(cluster, policy, [BINDING], FixedForecast(lambda svc, t, horizon: load[svc]),
                                  cluster.loop.now)
     cluster.loop.run(until=LEND)
     controller.reconcile()

@@ -5,11 +5,36 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Annotated
+from string import Template
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm
+
+if TYPE_CHECKING:
+    from gpuplane.scaler.prometheus import PrometheusClient
+
+DEFAULT_LOAD_QUERY = 'sum(rate(gpuplane_requests_total{namespace="$namespace",service="$service"}[1m]))'
+"""The load of one service (requests/s); `$namespace` and `$service` name the TidalPolicy's namespace and service."""
+
+
+class PrometheusLoad:
+    """The operator's load reader (`gpuplane.kube.operator.LoadReader`): one instant query per service through
+    the scaler's Prometheus client, which raises rather than read a missing series as 0."""
+
+    def __init__(self, client: PrometheusClient, query: str) -> None:
+        self.client = client
+        self.template = Template(query)
+        if "service" not in self.template.get_identifiers():
+            raise ValueError(f"{query!r} does not name $service: every service would read the same load")
+        self.query("ns", "svc")  # an unknown $placeholder is an error now, not at the first read
+
+    def query(self, namespace: str, service: str) -> str:
+        return self.template.substitute(namespace=namespace, service=service)
+
+    def __call__(self, namespace: str, service: str) -> float:
+        return self.client.query(self.query(namespace, service))
 
 
 def register(app: typer.Typer) -> None:
@@ -89,6 +114,13 @@ def register(app: typer.Typer) -> None:
                                ] = None,
         kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
                               ] = None,
+        prometheus: Annotated[str | None, typer.Option(
+            help="Prometheus URL to read each tidal service's load from (the forecaster learns from it); "
+                 "without it the policies' floors alone set replicas")] = None,
+        load_query: Annotated[str, typer.Option(
+            help="PromQL for one service's load in requests/s; $namespace and $service are substituted")
+        ] = DEFAULT_LOAD_QUERY,
+        prometheus_timeout: Annotated[float, typer.Option(min=0.001, help="seconds per Prometheus query")] = 2.0,
     ) -> None:
         """Run the controllers in-cluster with leader election on a Lease until Ctrl-C or SIGTERM."""
         import threading
@@ -96,6 +128,18 @@ def register(app: typer.Typer) -> None:
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
         from gpuplane.kube.operator import HealthServer, run_operator
+        from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError
+
+        load = None
+        if prometheus is not None:
+            try:
+                load = PrometheusLoad(PrometheusClient(prometheus, timeout_s=prometheus_timeout), load_query)
+            except PrometheusError as exc:
+                fail(f"--prometheus {prometheus}: {exc}")
+            except KeyError as exc:
+                fail(f"--load-query: unknown placeholder ${exc.args[0]} (use $namespace and $service)")
+            except ValueError as exc:
+                fail(f"--load-query: {exc}")
 
         holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
         try:
@@ -118,7 +162,7 @@ def register(app: typer.Typer) -> None:
                 fail(f"--health-port {health_port}: {exc}")
         try:
             with on_sigterm(stop.set):
-                run_operator(api, config, stop, namespace=watch_namespace)
+                run_operator(api, config, stop, namespace=watch_namespace, load=load)
         except KeyboardInterrupt:
             pass
         finally:

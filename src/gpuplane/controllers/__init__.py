@@ -4,15 +4,23 @@ They sit above the scheduler and below the worlds: they read time from an inject
 the outside world directly.
 """
 
+from gpuplane.controllers.forecast import (
+    NO_FORECAST,
+    FixedForecast,
+    LoadForecast,
+    LoadSource,
+    SeasonalForecaster,
+)
 from gpuplane.controllers.tidal import (
+    EARLY_RECLAIM_REASON,
     LOAN_ANNOTATION,
     LOAN_LABEL,
     LOAN_TAINT,
     RECLAIM_ANNOTATION,
+    RECLAIM_REASON,
     SUBSET_LABEL,
     DrainOrder,
     DrainRecord,
-    LoadForecast,
     ServiceBinding,
     TidalController,
     TidalStats,
@@ -22,7 +30,24 @@ from gpuplane.controllers.tidal import (
 )
 
 __all__ = [
-    "LOAN_ANNOTATION", "LOAN_LABEL", "LOAN_TAINT", "RECLAIM_ANNOTATION", "SUBSET_LABEL", "DrainOrder", "DrainRecord",
-    "LoadForecast", "ServiceBinding", "TidalController", "TidalStats", "drain_costs", "nodes_emptied",
+    "EARLY_RECLAIM_REASON",
+    "LOAN_ANNOTATION",
+    "LOAN_LABEL",
+    "LOAN_TAINT",
+    "NO_FORECAST",
+    "RECLAIM_ANNOTATION",
+    "RECLAIM_REASON",
+    "SUBSET_LABEL",
+    "DrainOrder",
+    "DrainRecord",
+    "FixedForecast",
+    "LoadForecast",
+    "LoadSource",
+    "SeasonalForecaster",
+    "ServiceBinding",
+    "TidalController",
+    "TidalStats",
+    "drain_costs",
+    "nodes_emptied",
     "removal_order",
 ]

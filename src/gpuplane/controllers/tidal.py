@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gpuplane.controllers.forecast import LoadForecast, LoadSource
 from gpuplane.model import MILLI_PER_CARD, Taint
 from gpuplane.model.tidal import Loan, TidalPolicy, TidalService, TidalWindow
 from gpuplane.port import DELETION_COST, ClusterPort, Code, NodeInfo, PodInfo, PodPhase
@@ -38,6 +39,10 @@ LOAN_ANNOTATION = "gpuplane.io/tidal-loan"
 RECLAIM_ANNOTATION = "gpuplane.io/tidal-reclaim-at"
 LOAN_TAINT = Taint("gpuplane.io/tidal", "lent", "NoSchedule")
 """On lent nodes: inference pods do not tolerate it, training pods do."""
+RECLAIM_REASON = "tidal reclaim"
+"""The eviction reason of training pods on a lent node taken back at the window's end."""
+EARLY_RECLAIM_REASON = "tidal early reclaim"
+"""The eviction reason when the forecast needs a lent node back before the window ends."""
 
 
 class DrainOrder(enum.Enum):
@@ -83,13 +88,6 @@ def removal_order(pods_by_node: Mapping[str, Sequence[str]], removable: Sequence
     return sorted(removable, key=lambda p: (costs.get(p, 0), -position[p]))
 
 
-class LoadForecast:
-    """What the controller knows of a service's load: now and the peak over a horizon (in requests/s)."""
-
-    def __init__(self, peak_over: Callable[[str, float, float], float]) -> None:
-        self.peak_over = peak_over
-
-
 @dataclass(frozen=True, slots=True)
 class ServiceBinding:
     """How a policy's service maps onto the world: its two workloads and the load one replica serves."""
@@ -124,19 +122,23 @@ class TidalStats:
     training_pods_evicted: int = 0
     evictions_held: int = 0
     """Reclaim evictions a disruption budget held back (answered PENDING); they are retried every pass."""
+    load_misses: int = 0
+    """Load readings the load source could not give (the forecast kept its history)."""
     drains: list[DrainRecord] = field(default_factory=list)
 
 
 class TidalController:
     def __init__(self, port: ClusterPort, policy: TidalPolicy, services: Sequence[ServiceBinding],
-                 forecast: LoadForecast, now: Callable[[], float], *, lend: bool = True,
-                 drain_order: DrainOrder = DrainOrder.FEWEST_INSTANCES, training_pool: str = "training",
-                 tidal_pool: str = "inference-tidal", forecast_horizon_s: float = 1800.0, seed: int = 0) -> None:
+                 forecast: LoadForecast, now: Callable[[], float], *, load: LoadSource | None = None,
+                 lend: bool = True, drain_order: DrainOrder = DrainOrder.FEWEST_INSTANCES,
+                 training_pool: str = "training", tidal_pool: str = "inference-tidal",
+                 forecast_horizon_s: float = 1800.0, seed: int = 0) -> None:
         self.port = port
         self.policy = policy
         self.services = {s.name: s for s in services}
         policy.check_services(self.services)
         self.forecast = forecast
+        self.load = load
         self.now = now
         self.lend = lend
         self.drain_order = drain_order
@@ -164,11 +166,12 @@ class TidalController:
     def reconcile(self) -> None:
         """One pass: scale every service, lend empty nodes in the window, reclaim when due."""
         t = self.now()
+        self._observe(t)
         window, phase = self.policy.window_at(t)
         nodes = list(self.port.list_nodes())
         pods = list(self.port.list_pods())
         for name in self._strays(nodes, pods):  # reclaim evictions a disruption budget held back
-            self._evict(name)
+            self._evict(name, RECLAIM_REASON)
         by_workload: dict[str, list[PodInfo]] = {}
         for pod in pods:
             if pod.request.workload is not None:
@@ -178,7 +181,10 @@ class TidalController:
             self._scale(spec, targets[spec.name], by_workload, pods)
         if not self.lend:
             return
-        short = self._shortfall_milli(targets, nodes)
+        # A reclaimed node serves only after its training pods' grace: look that much further ahead for it.
+        ahead = {spec.name: self._target(spec, t, window, phase, self.forecast_horizon_s + self.policy.reclaim_grace_s)
+                 for spec in self.policy.services}
+        short = self._shortfall_milli(ahead, nodes)
         if self.ledger and phase == "day":
             self._reclaim(list(self.ledger), early=False)
         elif self.ledger and short > 0:
@@ -191,17 +197,30 @@ class TidalController:
         window, phase = self.policy.window_at(t)
         return self._target(self.policy.service(name), t, window, phase)
 
-    def _need(self, spec: TidalService, t: float) -> int:
+    def _observe(self, t: float) -> None:
+        """Feed the forecast each service's load now, from the load source (when there is one)."""
+        if self.load is None:
+            return
+        for name in self.services:
+            value = self.load(name)
+            if value is None:
+                self.stats.load_misses += 1
+            else:
+                self.forecast.observe(name, t, value)
+
+    def _need(self, spec: TidalService, t: float, horizon_s: float) -> int:
         binding = self.services[spec.name]
-        peak = self.forecast.peak_over(spec.name, t, self.forecast_horizon_s)
+        peak = self.forecast.peak_over(spec.name, t, horizon_s)
         return math.ceil(peak / binding.per_replica_capacity) if peak > 0 else 0
 
-    def _target(self, spec: TidalService, t: float, window: TidalWindow | None, phase: str) -> int:
+    def _target(self, spec: TidalService, t: float, window: TidalWindow | None, phase: str,
+                horizon_s: float | None = None) -> int:
         if window is None or phase == "day":
             floor = max(spec.min_replicas, spec.day_floor)
         else:
             floor = max(spec.min_replicas, window.night_replicas.get(spec.name, spec.min_replicas))
-        return min(spec.max_replicas, max(floor, self._need(spec, t)))
+        horizon = self.forecast_horizon_s if horizon_s is None else horizon_s
+        return min(spec.max_replicas, max(floor, self._need(spec, t, horizon)))
 
     # ------------------------------------------------------------------ scaling
     def _scale(self, spec: TidalService, target: int, by_workload: Mapping[str, Sequence[PodInfo]],
@@ -267,7 +286,7 @@ class TidalController:
         targets = set(names)
         for pod in self.port.list_pods():
             if pod.assignment is not None and pod.assignment.node in targets and pod.phase is PodPhase.RUNNING:
-                self._evict(pod.name)
+                self._evict(pod.name, EARLY_RECLAIM_REASON if early else RECLAIM_REASON)
         by_name = {n.name: n for n in self.port.list_nodes()}
         for name in names:
             node = by_name.get(name)
@@ -281,8 +300,8 @@ class TidalController:
             self.stats.reclaims += 1
             self.stats.early_reclaims += early
 
-    def _evict(self, pod: str) -> None:
-        status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason="tidal reclaim")
+    def _evict(self, pod: str, reason: str) -> None:
+        status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason=reason)
         if status.ok:
             self.stats.training_pods_evicted += 1
         elif status.code is Code.PENDING:  # a disruption budget forbids it now: `_strays` finds it next pass

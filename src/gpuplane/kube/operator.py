@@ -20,8 +20,12 @@ loop runs them in virtual time against the local test API server, the same code 
 The recovery controller is not run here: it needs the failure classifier's log stream and node health
 reports, which come from the node agent, not from these resources.
 
-Times of day in TidalPolicies are UTC (the controller takes `now() mod 86400`). Load forecasts are injected
-(`forecast`); without one the policy's floors alone set replicas (day floor by day, night replicas at night).
+Times of day in TidalPolicies are UTC (the controller takes `now() mod 86400`). Load: with a `load` reader
+(`gpuplane operator --prometheus URL --load-query Q` reads each service's load from Prometheus through the
+scaler's client), every pass reads each service's load and feeds it to the policy's `SeasonalForecaster`,
+the same forecaster the simulator runs; it learns the daily profile from those readings only, and keeps it
+while the policy changes generation. A reading that fails is logged and skipped (the forecast keeps its
+history). Without a reader the policy's floors alone set replicas (day floor by day, night replicas at night).
 Workloads are the policy namespace's Deployments `<service>-stable` and `<service>-tidal`, whose pods carry
 label `gpuplane.io/workload: <service>-stable|-tidal`.
 """
@@ -29,15 +33,17 @@ label `gpuplane.io/workload: <service>-stable|-tidal`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
-from gpuplane.controllers.tidal import SUBSET_LABEL, LoadForecast, TidalController
+from gpuplane.controllers.forecast import NO_FORECAST, LoadForecast, SeasonalForecaster
+from gpuplane.controllers.tidal import SUBSET_LABEL, TidalController
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.crds import (
@@ -57,13 +63,21 @@ from gpuplane.kube.informer import Informer
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.objects import POOL_LABEL, format_time, object_key, selects
 from gpuplane.kube.pools import PoolRule, conflict_message, plan_pools
-from gpuplane.model import Assignment, Catalog, PodRequest, Taint, default_catalog
+from gpuplane.model import Assignment, Catalog, GpuplaneError, PodRequest, Taint, default_catalog
 from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
 
 log = logging.getLogger(__name__)
 
-NO_LOAD = LoadForecast(lambda service, t, horizon: 0.0)
-"""No forecast: the policy's floors alone set the replicas."""
+
+
+class LoadReader(Protocol):
+    """Reads one service's load now (requests/s); raises (a `GpuplaneError`, `OSError` or `ValueError`) when
+    it cannot. The CLI gives one that queries Prometheus through the scaler's client."""
+
+    def __call__(self, namespace: str, service: str) -> float: ...
+
+
+ForecastFactory = Callable[[], LoadForecast]
 
 
 class NamespacedWorkloads:
@@ -135,13 +149,16 @@ class Operator:
 
     def __init__(self, api: KubeApi, elector: LeaseElector, clock: Clock, *, catalog: Catalog | None = None,
                  cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
-                 forecast: LoadForecast = NO_LOAD) -> None:
+                 load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster) -> None:
         self.api = api
         self.elector = elector
         self.clock = clock
         self.catalog = catalog if catalog is not None else default_catalog()
         self.namespace = namespace
-        self.forecast = forecast
+        self.load = load
+        self.new_forecast = forecast
+        self.forecasts: dict[str, LoadForecast] = {}
+        """Per TidalPolicy key, what its forecaster has learnt (kept across generations of the policy)."""
         # One eviction attempt, no back-off sleep: the controllers' next pass is the retry, and a sleeping
         # tick would outlast the lease.
         self._cluster_factory = cluster_factory or (
@@ -179,6 +196,8 @@ class Operator:
                 self._apply_pools(pools)
         for key in set(self.tidal) - seen:
             del self.tidal[key]
+        for key in set(self.forecasts) - seen:
+            del self.forecasts[key]
         for key in set(self.resources) - seen:
             del self.resources[key]
 
@@ -280,9 +299,16 @@ class Operator:
         assert self.cluster is not None and resource.namespace is not None
         entry = self.tidal.get(key)
         if entry is None or entry.generation != resource.generation or entry.spec != spec:
+            forecast: LoadForecast = NO_FORECAST
+            load = None
+            if self.load is not None:
+                if key not in self.forecasts:
+                    self.forecasts[key] = self.new_forecast()
+                forecast = self.forecasts[key]
+                load = functools.partial(self._read_load, key, resource.namespace)
             controller = TidalController(
-                NamespacedWorkloads(self.cluster, resource.namespace), spec, spec.bindings(), self.forecast,
-                self.clock.now, lend=spec.lend, drain_order=spec.order, training_pool=spec.training_pool,
+                NamespacedWorkloads(self.cluster, resource.namespace), spec, spec.bindings(), forecast,
+                self.clock.now, load=load, lend=spec.lend, drain_order=spec.order, training_pool=spec.training_pool,
                 tidal_pool=spec.tidal_pool, forecast_horizon_s=spec.forecast_horizon_s)
             entry = self.tidal[key] = _Tidal(resource.generation, spec, controller)
         try:
@@ -297,6 +323,14 @@ class Operator:
         status = {"observedGeneration": resource.generation, "nodes": tidal_nodes, "phase": phase,
                   "lentNodes": len(entry.controller.ledger)}
         self._write_status(TIDAL_POLICY, obj, status, [valid, applied])
+
+    def _read_load(self, key: str, namespace: str, service: str) -> float | None:
+        assert self.load is not None
+        try:
+            return self.load(namespace, service)
+        except (GpuplaneError, OSError, ValueError) as exc:
+            log.warning("%s: the load of %s/%s could not be read: %s", key, namespace, service, exc)
+            return None
 
     def _nodes_matching(self, selector: Mapping[str, str]) -> int:
         assert self.cluster is not None
@@ -364,11 +398,11 @@ class HealthServer(ThreadingHTTPServer):
 
 
 def run_operator(api: KubeApi, config: LeaseConfig, stop: threading.Event, *, namespace: str | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, load: LoadReader | None = None) -> None:
     """Tick an operator every half retry period until `stop` is set; then release the lease."""
     world: Clock = clock if clock is not None else WallClock()
     elector = LeaseElector(api, config, world.now)
-    operator = Operator(api, elector, world, namespace=namespace)
+    operator = Operator(api, elector, world, namespace=namespace, load=load)
     try:
         while not stop.is_set():
             operator.tick()
