@@ -17,7 +17,7 @@ import pytest
 from typer import Typer
 from typer.testing import CliRunner
 
-from gpuplane.cli.operator_cmd import register
+from gpuplane.cli.operator_cmd import DEFAULT_LOAD_QUERY, PrometheusLoad, register
 from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNOTATION, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
@@ -27,6 +27,8 @@ from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
 from gpuplane.kube.operator import HealthServer, Operator, run_operator
 from gpuplane.port import Timer
 from gpuplane.port.clock import WallClock
+from gpuplane.scaler.prometheus import PrometheusClient
+from test_scaler_prometheus import EMPTY, StubPrometheus, vector
 
 MIDNIGHT = 1_764_374_400.0  # 2025-11-29T00:00:00Z
 HOUR = 3600.0
@@ -76,12 +78,13 @@ def populate(server: FakeApiServer) -> None:
     server.add_object(f"{CRS}/namespaces/ml/tidalpolicies", tidal_policy())
 
 
-def operator(server: FakeApiServer, clock: VirtualClock, identity: str) -> Operator:
+def operator(server: FakeApiServer, clock: VirtualClock, identity: str, prometheus: str | None = None) -> Operator:
     api = RestKubeApi.from_url(server.url, request_timeout_s=10)
     # Durations longer than the virtual jumps between ticks (at most 8 h here), so leadership holds across them.
     config = LeaseConfig("gpuplane-system", "gpuplane-operator", identity, lease_duration_s=12 * HOUR,
                          renew_deadline_s=10 * HOUR, retry_period_s=60)
-    return Operator(api, LeaseElector(api, config, clock.now), clock)
+    load = None if prometheus is None else PrometheusLoad(PrometheusClient(prometheus), DEFAULT_LOAD_QUERY)
+    return Operator(api, LeaseElector(api, config, clock.now), clock, load=load)
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -177,6 +180,59 @@ def test_the_leader_runs_the_tidal_policy_through_the_api(server: FakeApiServer)
         assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)
     finally:
         op.shutdown()
+
+
+CHAT_LOAD = 'sum(rate(gpuplane_requests_total{namespace="ml",service="chat"}[1m]))'
+
+
+def test_the_leader_forecasts_each_services_load_from_prometheus(server: FakeApiServer,
+                                                                 stub: StubPrometheus) -> None:
+    clock = VirtualClock(MIDNIGHT + 12 * HOUR)
+    op = operator(server, clock, "a", prometheus=stub.url)
+    try:
+        stub.set(CHAT_LOAD, vector("400"))
+        op.tick()  # 12:00: 400 req/s × 1.05 (the forecaster's margin; no error learnt yet) = 420 → ⌈420/50⌉ = 9
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 7)
+        assert stub.queries(CHAT_LOAD) == 1
+        stub.set(CHAT_LOAD, EMPTY)  # the exporter is gone: an error, never 0 (that would scale chat down)
+        clock.at(12.05)
+        op.tick()  # the forecast keeps what it saw 3 minutes ago (the recent maximum): still 9
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 7)
+        assert op.tidal["TidalPolicy/ml/night"].controller.stats.load_misses == 1
+        stub.set(CHAT_LOAD, vector("100"))
+        clock.at(12.5)
+        op.tick()  # 12:30: the bins ahead were never seen (a first day), so the last hour's maximum, 400: still 9
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 7)
+        clock.at(13.75)
+        op.tick()  # 13:45: the 400 is over an hour old; 100 × 1.05 → 3, under the day floor 6 = 2 stable + 4 tidal
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)
+        assert stub.queries(CHAT_LOAD) == 4
+    finally:
+        op.shutdown()
+
+
+def test_without_prometheus_the_floors_set_the_replicas(server: FakeApiServer, stub: StubPrometheus) -> None:
+    stub.set(CHAT_LOAD, vector("400"))
+    clock = VirtualClock(MIDNIGHT + 12 * HOUR)
+    op = operator(server, clock, "a")
+    try:
+        op.tick()
+        assert (replicas(server, "chat-stable"), replicas(server, "chat-tidal")) == (2, 4)  # the day floor 6
+        assert stub.queries(CHAT_LOAD) == 0
+    finally:
+        op.shutdown()
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("sum(rate(requests_total[1m]))", "does not name $service"),
+    ('sum(rate(requests_total{service="$service",zone="$zone"}[1m]))', "unknown placeholder $zone"),
+])
+def test_a_load_query_that_cannot_name_the_service_exits_2(query: str, message: str) -> None:
+    app = Typer()
+    register(app)
+    result = CliRunner().invoke(app, ["operator", "--prometheus", "http://127.0.0.1:9", "--load-query", query])
+    assert result.exit_code == 2
+    assert message in result.output
 
 
 def test_held_evictions_are_retried_by_the_next_pass_not_by_sleeping(server: FakeApiServer,
