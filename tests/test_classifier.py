@@ -97,14 +97,31 @@ def test_a_tie_goes_to_the_more_severe_action(classifier: FailureClassifier) -> 
     assert verdict.action is FailureAction.ISOLATE_NODE and verdict.blamed_nodes == ("gpu-node-003",)
 
 
-def test_earlier_software_error_beats_later_hardware_error_but_both_nodes_listed(
-        classifier: FailureClassifier) -> None:
+# (Xid 48 at, cause): an OOM at t = 1; the Xids come later. Within the 120 s window of the earliest match
+# the most severe is the cause (isolate-node outranks do-not-retry); past it the earlier error wins.
+@pytest.mark.parametrize(("xid_at", "cause"), [
+    (2.0, "xid-48"),      # 1 s later: inside the window
+    (121.0, "xid-48"),    # 1 + 120: the window's edge is inside
+    (121.5, "cuda-oom"),  # past the window: the OOM came first
+    (500.0, "cuda-oom"),
+])
+def test_the_most_severe_error_within_the_window_of_the_first_is_the_cause(
+        classifier: FailureClassifier, xid_at: float, cause: str) -> None:
     classifier.feed_line("a", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", t=1.0)
-    classifier.feed_xid("b", 48, t=2.0)
-    classifier.feed_xid("c", 74, t=3.0)
+    classifier.feed_xid("b", 48, t=xid_at)
+    classifier.feed_xid("c", 74, t=xid_at + 1.0)
     verdict = classifier.verdict()
-    assert verdict.signature is LIBRARY["cuda-oom"] and verdict.action is FailureAction.DO_NOT_RETRY
-    assert verdict.blamed_nodes == ("b", "c")
+    assert verdict.signature is LIBRARY[cause]
+    assert verdict.blamed_nodes == ("b", "c")  # every blaming match is listed, the earliest first
+
+
+def test_a_window_of_zero_is_the_earliest_match() -> None:
+    classifier = FailureClassifier(LIBRARY, cause_window_s=0.0)
+    classifier.feed_line("a", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", t=1.0)
+    classifier.feed_xid("b", 48, t=1.5)
+    assert classifier.verdict().signature is LIBRARY["cuda-oom"]
+    with pytest.raises(ValueError, match="cause_window_s"):
+        FailureClassifier(LIBRARY, cause_window_s=float("nan"))
 
 
 def test_untimed_matches_rank_after_dated_ones_and_inherit_the_nodes_time(classifier: FailureClassifier) -> None:

@@ -1,7 +1,10 @@
 """The failure classifier: a signature library applied to streams of log lines, Xid events and exit codes.
 
 Feed it everything a failed job left behind, on every node (`feed_line`, `feed_xid`, `feed_exit`), then ask
-for the `verdict()`: the first error wins (fault-tolerance.md §4.1), later errors are echoes.
+for the `verdict()`: the first error wins (fault-tolerance.md §4.1), later errors are echoes. "First" is
+a window, not an instant (`cause_window_s`, 2 minutes): clocks and log pipelines differ by seconds, and a
+failing GPU's rank often logs its CUDA error before the kernel's Xid line; among the matches within the
+window of the earliest, the most severe is the cause.
 
 Speed. Almost every line matches nothing, so an unmatched line costs one `re.search` of a prefilter: a trie
 of literals, one that every match of each signature must contain (`Signature.literals`, extracted from the
@@ -42,6 +45,10 @@ from gpuplane.model.failures import (
 )
 
 INF = float("inf")
+#: Matches within this many seconds of an incident's earliest one compete for its cause by severity
+#: (fault-tolerance reference §4.1 "in a window around the first failure ... rank by severity and earliest
+#: timestamp"; §4.3 #17: a hardware Xid within ±2 min of a CUDA error makes it a hardware failure).
+CAUSE_WINDOW_S = 120.0
 #: Characters of an unmatched line that make its template.
 TEMPLATE_CHARS = 160
 #: Characters of a matched line kept as evidence.
@@ -158,9 +165,13 @@ class FailureClassifier:
     """
 
     def __init__(self, library: SignatureLibrary, *, max_line_bytes: int = 4096, max_templates: int = 1000,
-                 max_matches: int = 10_000, line_time: Callable[[str], float | None] | None = None) -> None:
+                 max_matches: int = 10_000, line_time: Callable[[str], float | None] | None = None,
+                 cause_window_s: float = CAUSE_WINDOW_S) -> None:
         if max_line_bytes < 64 or max_templates < 1 or max_matches < 1:
             raise ValueError("max_line_bytes must be at least 64, max_templates and max_matches at least 1")
+        if not cause_window_s >= 0:
+            raise ValueError(f"cause_window_s must be a number >= 0, got {cause_window_s!r}")
+        self._window = cause_window_s
         self.library = library
         self._cap = max_line_bytes
         self._max_templates = max_templates
@@ -193,8 +204,8 @@ class FailureClassifier:
         self._history: dict[tuple[str, str], list[float]] = {}
         # the incident (see _reset_incident)
         self._matches: list[SignatureMatch] = []
-        self._cause: SignatureMatch | None = None
-        self._cause_key: tuple[bool, float, int, int] | None = None
+        self._earliest: tuple[dict[int, tuple[float, int, SignatureMatch]], ...] = ({}, {})
+        """per group (causes, echoes): severity -> the earliest (time, seq, match) of that severity"""
         self._blame: dict[str, tuple[float, int, int]] = {}
         self._counted: set[tuple[str, str]] = set()
         self._last_t: dict[str, float] = {}
@@ -254,7 +265,7 @@ class FailureClassifier:
     def verdict(self) -> Classification:
         """The incident's classification so far (an unknown verdict is counted once per incident)."""
         blamed = tuple(sorted(self._blame, key=self._blame.__getitem__))
-        cause = self._cause
+        cause = self._pick_cause()
         if cause is None:
             if not self._unknown_counted:
                 self._unknown_counted = True
@@ -296,8 +307,7 @@ class FailureClassifier:
 
     def _reset_incident(self) -> None:
         self._matches = []
-        self._cause = None
-        self._cause_key = None
+        self._earliest = ({}, {})
         self._blame = {}
         self._counted = set()
         self._last_t = {}
@@ -374,14 +384,25 @@ class FailureClassifier:
         else:
             self._dropped_matches += 1
         if action is not FailureAction.LOG_ONLY:
-            key_ = (signature.echo, when, -action.severity, seq)
-            if self._cause_key is None or key_ < self._cause_key:
-                self._cause, self._cause_key = match, key_
+            group = self._earliest[signature.echo]
+            known = group.get(action.severity)
+            if known is None or (when, seq) < known[:2]:
+                group[action.severity] = (when, seq, match)
             if match.blames_node:
                 blame = (when, -action.severity, seq)
                 if node not in self._blame or blame < self._blame[node]:
                     self._blame[node] = blame
         return match
+
+    def _pick_cause(self) -> SignatureMatch | None:
+        """The first error: among the matches within `cause_window_s` of the earliest, the most severe
+        (the earliest of that severity); echoes only when nothing else matched."""
+        for group in self._earliest:
+            if group:
+                first = min(when for when, _, _ in group.values())
+                limit = first + self._window
+                return group[max(sev for sev, (when, _, _) in group.items() if when <= limit)][2]
+        return None
 
     def _new_template(self, key: bytes, line: bytes) -> bytes:
         """The template of `line` (cached under `key`, its folded prefix)."""
