@@ -1,4 +1,4 @@
-"""Checkpoint intervals, the ETTR account and the segment arithmetic (`gpuplane.controllers.recovery`) against the
+"""Checkpoint intervals, the first-order ETTR model and the ETTR account (`gpuplane.controllers.recovery`) against the
 fault-tolerance reference (shared/reference/fault-tolerance.md §1-2).
 
 Symbols as in the reference: C = blocking checkpoint cost, τ = checkpoint interval, R = recovery time,
@@ -20,10 +20,8 @@ from gpuplane.controllers.recovery import (
     DAY_S,
     CheckpointPlanner,
     EttrAccount,
-    Segment,
-    SparePool,
     daly_interval,
-    segment_outcome,
+    first_order_ettr,
     young_interval,
 )
 
@@ -37,8 +35,8 @@ def mtbf(nodes: int, rate_per_node_day: float) -> float:
 
 
 def first_order_ettr_pct(cost_s: float, interval_s: float, recovery_s: float, mtbf_s: float) -> float:
-    """ETTR ≈ 1 − C/τ − (τ/2 + R)/M, in per cent."""
-    return (1.0 - cost_s / interval_s - (interval_s / 2.0 + recovery_s) / mtbf_s) * 100.0
+    """`first_order_ettr` with the job's MTBF M in place of its failures per day (86,400 / M), in per cent."""
+    return 100.0 * first_order_ettr(cost_s, interval_s, recovery_s, DAY_S / mtbf_s)
 
 
 # ------------------------------------------------------------------------------------------ Young and Daly
@@ -154,110 +152,6 @@ def test_young_minimises_the_first_order_waste(cost: float, m: float) -> None:
     best = first_order_ettr_pct(cost, tau, 0.0, m)
     assert first_order_ettr_pct(cost, tau * 0.9, 0.0, m) < best
     assert first_order_ettr_pct(cost, tau * 1.1, 0.0, m) < best
-
-
-# ------------------------------------------------------------------------------------------ segment_outcome
-SEGMENT_CASES = [
-    # (duration, τ, C, failed, expected (productive, checkpoint, lost, saves)); a cycle is τ + C
-    # 250 of 100 + 10 cycles: 2 saves (220 s), 30 s of training since the last one, lost at the failure
-    pytest.param(250.0, 100.0, 10.0, True, (200.0, 20.0, 30.0, 2), id="failed-mid-training"),
-    # the horizon instead: the 30 s are kept
-    pytest.param(250.0, 100.0, 10.0, False, (230.0, 20.0, 0.0, 2), id="horizon-mid-training"),
-    # 105 s: 100 s trained, then 5 s into a save; the failure loses all 105 s (no save completed)
-    pytest.param(105.0, 100.0, 10.0, True, (0.0, 0.0, 105.0, 0), id="failed-inside-the-first-save"),
-    # the horizon inside a save: 100 s productive, 5 s of (blocking) save
-    pytest.param(105.0, 100.0, 10.0, False, (100.0, 5.0, 0.0, 0), id="horizon-inside-the-first-save"),
-    # 325 = 2·110 + 100 + 5: two saves done, the third 5 s in; the failure loses 105 s
-    pytest.param(325.0, 100.0, 10.0, True, (200.0, 20.0, 105.0, 2), id="failed-inside-the-third-save"),
-    pytest.param(325.0, 100.0, 10.0, False, (300.0, 25.0, 0.0, 2), id="horizon-inside-the-third-save"),
-    # exactly at the end of a save: that save completed, nothing lost
-    pytest.param(220.0, 100.0, 10.0, True, (200.0, 20.0, 0.0, 2), id="failed-right-after-a-save"),
-    # exactly at the end of training, before the save: the interval's work is lost
-    pytest.param(210.0, 100.0, 10.0, True, (100.0, 10.0, 100.0, 1), id="failed-right-before-a-save"),
-    # no save in reach: everything or nothing
-    pytest.param(50.0, 100.0, 10.0, True, (0.0, 0.0, 50.0, 0), id="failed-before-the-first-save"),
-    pytest.param(50.0, 100.0, 10.0, False, (50.0, 0.0, 0.0, 0), id="horizon-before-the-first-save"),
-    # an infinite interval never saves
-    pytest.param(5_000.0, math.inf, 10.0, True, (0.0, 0.0, 5_000.0, 0), id="infinite-interval-failed"),
-    pytest.param(5_000.0, math.inf, 10.0, False, (5_000.0, 0.0, 0.0, 0), id="infinite-interval-horizon"),
-    # zero (and negative) duration: nothing at all
-    pytest.param(0.0, 100.0, 10.0, True, (0.0, 0.0, 0.0, 0), id="zero-duration-failed"),
-    pytest.param(0.0, 100.0, 10.0, False, (0.0, 0.0, 0.0, 0), id="zero-duration-horizon"),
-    pytest.param(-5.0, 100.0, 10.0, True, (0.0, 0.0, 0.0, 0), id="negative-duration"),
-    # free checkpoints: 350 = 3·100 + 50
-    pytest.param(350.0, 100.0, 0.0, True, (300.0, 0.0, 50.0, 3), id="free-checkpoints-failed"),
-    # the reference's baseline: τ = 3 h, C = 300 s, a failure 8 h in: 2 saves (6 h 10 min), 1 h 50 min lost
-    pytest.param(8 * H, 3 * H, 300.0, True, (6 * H, 600.0, 8 * H - 2 * (3 * H + 300.0), 2), id="baseline-8h"),
-]
-
-
-@pytest.mark.parametrize(("duration", "interval", "cost", "failed", "expected"), SEGMENT_CASES)
-def test_segment_outcome(duration: float, interval: float, cost: float, failed: bool,
-                         expected: tuple[float, float, float, int]) -> None:
-    segment = segment_outcome(duration, interval, cost, failed=failed)
-    assert (segment.productive_s, segment.checkpoint_s, segment.lost_s, segment.saves) == pytest.approx(expected)
-
-
-def last_completed_save(duration: float, interval: float, cost: float) -> tuple[int, float]:
-    """Walk the schedule: train τ, save C, repeat; how many saves finished by `duration`, and when the last did."""
-    saves, end = 0, 0.0
-    while True:
-        t = (saves + 1) * (interval + cost)
-        if t > duration:
-            return saves, end
-        saves, end = saves + 1, t
-
-
-durations = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
-intervals = st.floats(min_value=1.0, max_value=1e5, allow_nan=False)
-costs = st.floats(min_value=0.0, max_value=1e3, allow_nan=False)
-
-
-@settings(max_examples=300, deadline=None)
-@given(durations, intervals, costs, st.booleans())
-def test_segment_adds_up_to_its_duration(duration: float, interval: float, cost: float, failed: bool) -> None:
-    s = segment_outcome(duration, interval, cost, failed=failed)
-    assert s.productive_s + s.checkpoint_s + s.lost_s == pytest.approx(duration, rel=1e-9, abs=1e-6)
-    assert min(s.productive_s, s.checkpoint_s) >= 0.0 and s.lost_s >= -1e-9 * max(duration, 1.0)
-    assert s.checkpoint_s <= (s.saves + 1) * cost + 1e-9 * max(duration, 1.0)
-    if failed:
-        # a completed save keeps its cycle: productive = saves·τ, checkpoint = saves·C
-        assert s.productive_s == pytest.approx(s.saves * interval)
-        assert s.checkpoint_s == pytest.approx(s.saves * cost)
-        assert s.lost_s < interval + cost + 1e-9 * max(duration, 1.0)
-    else:
-        assert s.lost_s == 0.0
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.integers(min_value=0, max_value=50), st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
-       st.sampled_from([(100.0, 10.0), (3 * H, 300.0), (733.5, 2.0), (50.0, 0.0)]))
-def test_lost_work_is_the_time_since_the_last_completed_save(cycles: int, into: float,
-                                                             schedule: tuple[float, float]) -> None:
-    """The issue's "lost work equal to the time since the last checkpoint", against a walk of the schedule."""
-    interval, cost = schedule
-    duration = cycles * (interval + cost) + into * (interval + cost)
-    s = segment_outcome(duration, interval, cost, failed=True)
-    saves, end = last_completed_save(duration, interval, cost)
-    assert s.saves == saves and saves in (cycles, cycles + 1)  # (+1: `into` rounds up to a whole cycle)
-    assert s.lost_s == pytest.approx(duration - end, abs=1e-6)
-
-
-def test_a_free_checkpoint_measured_by_the_planner_does_not_crash_the_segment() -> None:
-    planner = CheckpointPlanner(nodes=16, prior_rate_per_node_day=0.01)
-    planner.measured_cost(0.0)  # e.g. a fully asynchronous save: nothing blocked
-    interval = planner.interval_s(default_cost_s=2.0)
-    assert interval == 0.0
-    s = segment_outcome(1_000.0, interval, 0.0, failed=True)
-    # in the limit of saving continuously for free nothing is lost; at least the seconds must add up
-    assert s.productive_s + s.checkpoint_s + s.lost_s == pytest.approx(1_000.0)
-
-
-def test_segment_is_frozen() -> None:
-    s = segment_outcome(250.0, 100.0, 10.0, failed=True)
-    assert s == Segment(200.0, 20.0, 30.0, 2)
-    with pytest.raises(AttributeError):
-        s.lost_s = 0.0  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------ CheckpointPlanner
@@ -381,9 +275,13 @@ def test_shares_always_sum_to_100(values: list[float]) -> None:
     assert 0.0 <= a.ettr <= 1.0
 
 
-# ------------------------------------------------------------------------------------------ SparePool
-def test_spares_are_taken_first_in_first_out_and_given_back_at_the_end() -> None:
-    pool = SparePool(["s1", "s2"])
-    assert pool.take() == "s1"
-    pool.give("repaired")
-    assert [pool.take(), pool.take(), pool.take()] == ["s2", "repaired", None]
+# (C, τ, R, failures per day, ETTR): the edges of the closed form
+@pytest.mark.parametrize(("cost", "tau", "recovery", "per_day", "ettr"), [
+    (10.0, 1000.0, 0.0, 0.0, 0.99),         # no failures: only the saves, 10/1,000
+    (0.0, 1000.0, 400.0, 86.4, 0.1),        # a failure every 1,000 s costing 500 + 400 s: 0.9 waste -> 0.1
+    (0.0, 1000.0, 500.0, 86.4, 0.0),        # ... costing 1,000 s: nothing left
+    (0.0, 1000.0, 5000.0, 86.4, 0.0),       # never below 0
+    (10.0, 0.0, 0.0, 0.0, 0.0),             # saving continuously: nothing done
+])
+def test_first_order_ettr_edges(cost: float, tau: float, recovery: float, per_day: float, ettr: float) -> None:
+    assert first_order_ettr(cost, tau, recovery, per_day) == pytest.approx(ettr)

@@ -6,24 +6,25 @@
 - `CheckpointPlanner`: picks the interval from the *measured* checkpoint cost (a moving average of the
   saves it is told about) and the job's *observed* failure rate (failures per node-day, with the fleet's
   rate as a prior worth `prior_node_days`), so that a job on a bad patch of the fleet checkpoints more often.
+- `first_order_ettr`: the reference's closed form, ETTR ≈ 1 − C/τ − (τ/2 + R)/M (the scenario's cross-check).
 - `EttrAccount`: where a job's wall-clock time went: productive training, blocking checkpoint saves, work
   lost to rollbacks, detection, diagnosis, rescheduling, restart and checkpoint load, manual escalation.
   ETTR = productive / wall.
-- `segment_outcome`: what a run of `duration` seconds between a restart and the next failure yields, given
-  the interval and the cost: saves every `interval` of training, each blocking for `cost`; the work since
-  the last completed save is lost at the failure.
+- `RecoveryController`: the decisions on a failure, through the cluster port (see its docstring), with
+  `classify_incident`, `nodes_to_isolate` and `hang_suspects` as its pure parts.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from gpuplane.controllers.classifier import Classification, FailureClassifier
-from gpuplane.controllers.health import HealthEvent, NodeHealthBook
+from gpuplane.controllers.health import HealthEvent, HealthResult, NodeHealth, NodeHealthBook
 from gpuplane.model import PodRequest, Taint
-from gpuplane.model.failures import FailureAction
+from gpuplane.model.failures import FailureAction, FailureClass
 from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodPhase, Status
 
 DAY_S = 86_400.0
@@ -40,6 +41,14 @@ def daly_interval(cost_s: float, mtbf_s: float) -> float:
         return mtbf_s
     x = cost_s / (2.0 * mtbf_s)
     return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost_s
+
+
+def first_order_ettr(cost_s: float, interval_s: float, downtime_s: float, job_failures_per_day: float) -> float:
+    """Reference §2: ETTR ≈ 1 − C/τ − (τ/2 + R)/M with M = 1 day / the job's failures per day (at least 0)."""
+    waste = cost_s / interval_s if interval_s > 0 else 1.0
+    if job_failures_per_day > 0:
+        waste += (interval_s / 2.0 + downtime_s) * job_failures_per_day / DAY_S
+    return max(0.0, 1.0 - waste)
 
 
 @dataclass(slots=True)
@@ -114,65 +123,6 @@ class EttrAccount:
                 if f.name.endswith("_s")}
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    productive_s: float
-    checkpoint_s: float
-    lost_s: float
-    saves: int
-
-
-def segment_outcome(duration_s: float, interval_s: float, cost_s: float, *, failed: bool) -> Segment:
-    """Split `duration_s` of running into productive training, blocking saves and lost work.
-
-    The job trains `interval_s`, saves for `cost_s`, and repeats. A failure loses the training since the
-    last completed save (and a save in progress); a segment that ends without failure (the horizon) keeps
-    everything it trained."""
-    if duration_s <= 0:
-        return Segment(0.0, 0.0, 0.0, 0)
-    if not math.isfinite(interval_s):
-        return Segment(0.0, 0.0, duration_s, 0) if failed else Segment(duration_s, 0.0, 0.0, 0)
-    cycle = interval_s + cost_s
-    if cycle <= 0:
-        # saving continuously for free: every moment is saved, nothing is lost
-        return Segment(duration_s, 0.0, 0.0, 0)
-    saves = int(duration_s // cycle)
-    rest = duration_s - saves * cycle
-    productive, checkpoint = saves * interval_s, saves * cost_s
-    if failed:
-        return Segment(productive, checkpoint, rest, saves)
-    tail_train = min(rest, interval_s)
-    return Segment(productive + tail_train, checkpoint + (rest - tail_train), 0.0, saves)
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryTimes:
-    """Seconds each recovery step takes."""
-
-    detection_crash_s: float
-    detection_hang_s: float
-    diagnosis_s: float
-    reschedule_spare_s: float
-    reschedule_cold_s: float
-    restart_s: float
-    checkpoint_load_s: float
-    manual_probability: float
-    manual_s: float
-
-
-@dataclass(slots=True)
-class SparePool:
-    """Warm spares for a job: replacements come from here first, then from the fleet (cold)."""
-
-    spares: list[str] = field(default_factory=list)
-
-    def take(self) -> str | None:
-        return self.spares.pop(0) if self.spares else None
-
-    def give(self, node: str) -> None:
-        self.spares.append(node)
-
-
 # ---------------------------------------------------------------------------------------------- the controller
 QUARANTINE_TAINT = Taint("gpuplane.io/health", "quarantined", "NoSchedule")
 """On an isolated node: no pod tolerates it, so the scheduler places nothing there until repair."""
@@ -188,24 +138,58 @@ class Evidence:
     xid: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    t: float | None = None
+    """when the node's clock says it happened (None: when the incident is classified)"""
 
 
 def classify_incident(classifier: FailureClassifier, evidence: Sequence[Evidence], now: float) -> Classification:
-    """One incident's verdict from everything it left behind (the classifier starts afresh)."""
+    """One incident's verdict from everything it left behind (the classifier starts afresh). Evidence is
+    timed by its own `t` (the node's clock) when it has one, else by `now`."""
     classifier.reset()
     for item in evidence:
+        t = now if item.t is None else item.t
         if item.line is not None:
-            classifier.feed_line(item.node, item.line, now)
+            classifier.feed_line(item.node, item.line, t)
         if item.xid is not None:
-            classifier.feed_xid(item.node, item.xid, now)
+            classifier.feed_xid(item.node, item.xid, t)
         if item.exit_code is not None or item.signal is not None:
-            classifier.feed_exit(item.node, item.exit_code, item.signal, now)
+            classifier.feed_exit(item.node, item.exit_code, item.signal, t)
     return classifier.verdict()
 
 
+_COMPLETED = re.compile(r"last completed NCCL work: (\d+)")
+
+
+def hang_suspects(verdict: Classification) -> tuple[str, ...]:
+    """A hang's suspect when nothing blames a node: the node whose ranks completed the fewest NCCL
+    operations (reference §4.1: "the rank with the lowest completed sequence ... is the suspect"), when
+    exactly one node is behind the others; no suspect otherwise."""
+    if verdict.blamed_nodes or verdict.action is not FailureAction.RESTART_JOB:
+        return ()
+    completed: dict[str, int] = {}
+    for match in verdict.matches:
+        found = _COMPLETED.search(match.evidence)
+        if found is not None:
+            value = int(found.group(1))
+            completed[match.node] = min(value, completed.get(match.node, value))
+    if len(completed) < 2:
+        return ()
+    low = min(completed.values())
+    behind = [node for node, value in completed.items() if value == low]
+    return tuple(behind) if len(behind) == 1 and max(completed.values()) > low else ()
+
+
 def nodes_to_isolate(verdict: Classification) -> tuple[str, ...]:
-    """The nodes an incident takes out of service: the blamed ones, when the action is to isolate."""
-    return verdict.blamed_nodes if verdict.action is FailureAction.ISOLATE_NODE else ()
+    """The nodes an incident takes out of service, when the action is to isolate: the blamed ones, except
+    that when some blamed node shows a fault of its own outside the network (an Xid, ECC, a host error),
+    nodes blamed only by network symptoms (their InfiniBand completions to the dead node failing) are its
+    peers, not culprits. With network evidence alone, both sides go (reference §4.3 #25: "ISOLATE the erring
+    side (both if unclear)")."""
+    if verdict.action is not FailureAction.ISOLATE_NODE:
+        return ()
+    own = {m.node for m in verdict.matches
+           if m.blames_node and m.signature.failure_class is not FailureClass.NETWORK}
+    return tuple(n for n in verdict.blamed_nodes if n in own) if own else verdict.blamed_nodes
 
 
 @dataclass(slots=True)
@@ -232,6 +216,8 @@ class RecoveryOutcome:
     lost_s: float
     resubmitted: bool
     status: Status
+    suspects: tuple[str, ...] = ()
+    """nodes held out of the restart until a stop-time check clears them (`check_done`)"""
 
 
 class RecoveryController:
@@ -239,16 +225,26 @@ class RecoveryController:
     NoSchedule taint and a label through the cluster port), and restart the job's gang from its last
     checkpoint as a new attempt, which the scheduler places on healthy nodes (free spares included). Work
     since the last checkpoint is charged to the job's ETTR account as lost; each failure and each measured
-    checkpoint cost updates the job's `CheckpointPlanner`."""
+    checkpoint cost updates the job's `CheckpointPlanner`.
+
+    A blamed node that the verdict does not isolate (a restart-job signature that blames its node) has the
+    failure attributed in the health book; the exclusion policy (`HealthPolicy.max_failures` within
+    `window_s`) then quarantines it like an isolation. The repair cycle (`repair_started`, `repair_done`,
+    `probation_passed`) moves a quarantined node back; its taint comes off only when the book finds it
+    eligible for `large_job_gpus` (not a lemon), so a lemon stays off large jobs."""
 
     def __init__(self, port: ClusterPort, classifier: FailureClassifier, book: NodeHealthBook,
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], *, stop_grace_s: float = 0.0) -> None:
         self.port = port
         self.classifier = classifier
         self.book = book
         self.now = now
+        self.stop_grace_s = stop_grace_s
+        """grace given to the failed attempt's pods (the kubelet then takes its stop time)"""
         self.jobs: dict[str, GangJob] = {}
         self._member_of: dict[str, GangJob] = {}
+        self._bound: dict[str, set[str]] = {}
+        """per job, the current attempt's members seen bound"""
         self._unsubscribe = port.watch(self._on_event)
 
     def close(self) -> None:
@@ -279,11 +275,25 @@ class RecoveryController:
         now = self.now()
         verdict = classify_incident(self.classifier, evidence, now)
         cause = verdict.signature.id if verdict.signature is not None else "unknown failure"
-        isolated = nodes_to_isolate(verdict)
+        isolated = list(nodes_to_isolate(verdict))
         for node in isolated:
             # an isolate-node verdict quarantines at once, whatever the node's failure count
-            self.book.apply(node, HealthEvent.CRITICAL_FAILURE, now, f"isolated: {cause}")
-            self._quarantine(node)
+            self.isolate(node, f"isolated: {cause}")
+        for node in verdict.blamed_nodes:
+            if node in isolated:
+                continue
+            result = self.book.apply(node, HealthEvent.FAILURE_ATTRIBUTED, now, f"blamed: {cause}")
+            if result.ok and result.state is NodeHealth.QUARANTINED:  # the exclusion policy's limit
+                self._quarantine(node)
+                isolated.append(node)
+        suspects = hang_suspects(verdict)
+        for node in suspects:
+            # restart without the suspect; a stop-time check decides (`check_done`)
+            result = self.book.apply(node, HealthEvent.FAILURE_ATTRIBUTED, now, f"hang suspect: {cause}")
+            self._quarantine(node, "quarantined" if result.state is NodeHealth.QUARANTINED else "suspect")
+            if result.state is NodeHealth.QUARANTINED:
+                isolated.append(node)
+        suspects = tuple(n for n in suspects if n not in isolated)
         if job.running_since is not None:
             job.planner.observed(job.nodes * (now - job.running_since) / DAY_S, 1)
         saved_at = job.last_checkpoint_at if job.last_checkpoint_at is not None else job.running_since
@@ -291,27 +301,89 @@ class RecoveryController:
         job.account.lost_s += lost
         job.account.failures += 1
         job.account.isolated_nodes += len(isolated)
-        for member in job.members():
-            self.port.delete_pod(member)
-            self._member_of.pop(member, None)
-        job.running_since = None
+        self.stop(job)
         if verdict.action is FailureAction.DO_NOT_RETRY:
-            return RecoveryOutcome(verdict, isolated, lost, False, Status.error(f"{job.name}: not retried ({cause})"))
-        job.attempt += 1
-        return RecoveryOutcome(verdict, isolated, lost, True, self.submit(job))
+            return RecoveryOutcome(verdict, tuple(isolated), lost, False,
+                                   Status.error(f"{job.name}: not retried ({cause})"), suspects)
+        return RecoveryOutcome(verdict, tuple(isolated), lost, True, self.resubmit(job), suspects)
 
-    def _quarantine(self, node: str) -> None:
+    def check_done(self, node: str, passed: bool) -> HealthResult:
+        """A suspect's stop-time check: passed, it is healthy and untainted; failed, it is quarantined
+        (the repair cycle follows)."""
+        now = self.now()
+        if passed:
+            result = self.book.apply(node, HealthEvent.CHECK_PASSED, now, "stop-time check passed")
+            if result.ok and result.state is NodeHealth.HEALTHY:
+                self._untaint(node)
+            return result
+        result = self.book.apply(node, HealthEvent.CHECK_FAILED, now, "stop-time check failed")
+        if result.ok:
+            self.port.patch_node(node, labels={HEALTH_LABEL: "quarantined"})
+        return result
+
+    def stop(self, job: GangJob) -> None:
+        """End the job's current attempt: its pods go (with `stop_grace_s`, then the kubelet's stop)."""
+        for member in job.members():
+            self.port.evict(member, grace_s=self.stop_grace_s, reason=f"{job.name}: attempt {job.attempt} failed")
+            self._member_of.pop(member, None)
+        self._bound.pop(job.name, None)
+        job.running_since = None
+        job.last_checkpoint_at = None
+
+    def resubmit(self, job: GangJob) -> Status:
+        """Start the job's next attempt (from its last checkpoint)."""
+        job.attempt += 1
+        return self.submit(job)
+
+    def isolate(self, node: str, reason: str) -> None:
+        """Take a node out of service at once: quarantined in the book, tainted and labelled in the cluster
+        (an isolate-node verdict, a failed pre-flight check, or a person's decision)."""
+        self.book.apply(node, HealthEvent.CRITICAL_FAILURE, self.now(), reason)
+        self._quarantine(node)
+
+    def repair_started(self, node: str) -> HealthResult:
+        return self.book.apply(node, HealthEvent.REPAIR_STARTED, self.now(), "sent to repair")
+
+    def repair_done(self, node: str) -> HealthResult:
+        """Repaired and through the admission suite: probation (small jobs only; the taint stays for now)."""
+        result = self.book.apply(node, HealthEvent.REPAIR_DONE, self.now(), "repaired")
+        if result.ok:
+            self.port.patch_node(node, labels={HEALTH_LABEL: "probation"})
+        return result
+
+    def probation_passed(self, node: str) -> HealthResult:
+        """Probation over: healthy; the taint comes off unless the book keeps the node off large jobs."""
+        now = self.now()
+        result = self.book.apply(node, HealthEvent.PROBATION_PASSED, now, "probation passed")
+        if not result.ok:
+            return result
+        if self.book.eligible(node, self.book.policy.large_job_gpus, now):
+            self._untaint(node)
+        else:
+            self.port.patch_node(node, labels={HEALTH_LABEL: "lemon"})
+        return result
+
+    def _quarantine(self, node: str, label: str = "quarantined") -> None:
         info = next((n for n in self.port.list_nodes() if n.name == node), None)
         if info is None:
             return
         taints = (*(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key), QUARANTINE_TAINT)
-        self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: "quarantined"})
+        self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: label})
+
+    def _untaint(self, node: str) -> None:
+        info = next((n for n in self.port.list_nodes() if n.name == node), None)
+        if info is not None:
+            taints = tuple(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key)
+            self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: None})
 
     def _on_event(self, event: ClusterEvent) -> None:
         if event.kind is not EventKind.POD_BOUND or event.pod is None:
             return
         job = self._member_of.get(event.pod.name)
         if job is None or job.running_since is not None:
+            return
+        self._bound.setdefault(job.name, set()).add(event.pod.name)
+        if len(self._bound[job.name]) < job.nodes:
             return
         bound = {p.name for p in self.port.list_pods() if p.phase is PodPhase.RUNNING}
         if all(member in bound for member in job.members()):

@@ -1,80 +1,83 @@
-"""The training-faults report: ETTR and where the time went, and ETTR against the failure rate."""
+"""The training-faults report's own sections: ETTR per seed for both arms next to the closed form, the
+closed form against the failure rate (each arm's measured downtime per failure), and where the time went."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import html
+from collections.abc import Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from gpuplane.report.html import comparison_table, image, page, png, settings_table
-from gpuplane.sim.training_faults import TrainingFaultsComparison
+from gpuplane.controllers.recovery import DAY_S, daly_interval, first_order_ettr, young_interval
+from gpuplane.report.html import comparison_table, image, png
+from gpuplane.sim.scenario import Sweep
+from gpuplane.sim.training_faults import TrainingFaultsFigures, TrainingFaultsSettings
 
-PARTS = ("productive", "checkpoint", "lost", "detection", "diagnosis", "reschedule", "restart",
-         "checkpoint_load", "manual")
-
-
-def case_columns(comparison: TrainingFaultsComparison) -> list[str]:
-    gpus = comparison.scenario.gpus_per_node
-    return [f"{c.label}: {c.nodes * gpus:,} GPUs at {c.rate_per_node_day * 100:g} %/node-day"
-            for c in comparison.cases.values()]
+RATES = (0.001, 0.002, 0.004, 0.01, 0.02)
+"""Failures per node-day the closed-form curve is drawn at (the reference's sweep, §8.5)."""
 
 
-def ettr_rows(comparison: TrainingFaultsComparison) -> list[tuple[str, ...]]:
-    figures = comparison.figures()
-    keys = list(comparison.cases)
-    rows: list[tuple[str, ...]] = [("ETTR (%)", *(str(figures[f"{k}_ettr_pct"]) for k in keys)),
-                                   ("  lowest run (%)", *(str(figures[f"{k}_ettr_min_pct"]) for k in keys)),
-                                   ("failures per run", *(str(figures[f"{k}_failures_per_run"]) for k in keys)),
-                                   ("nodes isolated per run", *(str(figures[f"{k}_isolated_nodes_per_run"])
-                                                                for k in keys))]
-    rows += [(f"{part.replace('_', ' ')} (% of wall)", *(str(figures[f"{k}_{part}_pct"]) for k in keys))
-             for part in PARTS]
-    return rows
+def closed_form_curve(settings: TrainingFaultsSettings, downtime_s: float, *, platform: bool,
+                      rates: Sequence[float] = RATES) -> list[float]:
+    """ETTR (%) by the first-order model at each rate, both arms at that rate: Young's interval for the
+    baseline, Daly's for the platform, the arm's measured mean downtime per failure."""
+    out = []
+    for rate in rates:
+        mtbf = DAY_S / (settings.nodes * rate)
+        tau = (daly_interval if platform else young_interval)(settings.save_s, mtbf)
+        out.append(100.0 * first_order_ettr(settings.save_s, tau, downtime_s, settings.nodes * rate))
+    return out
 
 
-def _sweep_plot(comparison: TrainingFaultsComparison) -> str:
+def _ettr_plot(sweep: Sweep[Any, TrainingFaultsFigures]) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for kind, points in comparison.sweep.items():
-        rates = [r * 100 for r, _ in points]
-        left.plot(rates, [e for _, e in points], marker="o", label=kind)
-    left.set_xscale("log")
-    left.set_xlabel("node failures per node-day (%)")
+    seeds = np.asarray(sweep.seeds)
+    for arm, marker in (("baseline", "o"), ("platform", "s")):
+        sim = [getattr(r, f"{arm}_ettr_pct") for r in sweep.runs]
+        closed = [getattr(r, f"{arm}_closed_form_ettr_pct") for r in sweep.runs]
+        left.scatter(seeds, sim, marker=marker, label=f"{arm}: simulated")
+        left.scatter(seeds, closed, marker="x", label=f"{arm}: closed form")
+    left.set_xlabel("seed")
     left.set_ylabel("ETTR (%)")
-    left.set_title(f"ETTR against the failure rate ({comparison.scenario.nodes * comparison.scenario.gpus_per_node:,}"
-                   " GPUs)")
-    left.set_ylim(0, 100)
+    left.set_title("ETTR per seed, both arms at the same failure rate")
     left.grid(alpha=0.3)
-    left.legend()
-    cases = list(comparison.cases.values())
-    bottom = np.zeros(len(cases))
-    shares = [c.account.shares_pct() for c in cases]
-    for part in PARTS[1:]:
-        values = np.array([share[part] for share in shares])
-        right.bar(range(len(cases)), values, bottom=bottom, label=part.replace("_", " "))
-        bottom += values
-    for i, total in enumerate(bottom):
-        right.annotate(f"{total:.2f} %", (i, total), ha="center", va="bottom", fontsize=8)
-    right.set_xticks(range(len(cases)), [c.label for c in cases], fontsize=8, rotation=10)
-    right.set_ylabel("% of wall clock not productive")
-    right.set_title("Where the rest of the time went")
+    left.legend(fontsize=7)
+    s = sweep.settings
+    for arm in ("baseline", "platform"):
+        down = sweep.spreads[f"{arm}_downtime_s"].median
+        right.plot(np.asarray(RATES) * 100.0, closed_form_curve(s, down, platform=arm == "platform"), marker="o",
+                   label=f"{arm} (closed form, {down / 60:.0f} min down per failure)")
+        right.scatter([s.failure_rate_per_node_day * 100.0], [sweep.spreads[f"{arm}_ettr_pct"].median],
+                      marker="*", s=120, zorder=3)
+    right.set_xscale("log")
+    right.set_xlabel("node failures per node-day (%), both arms")
+    right.set_ylabel("ETTR (%)")
+    right.set_title(f"ETTR against the failure rate ({s.nodes * 8:,} GPUs; ★ simulated median)")
+    right.grid(alpha=0.3)
     right.legend(fontsize=7)
     fig.tight_layout()
     return png(fig)
 
 
-def write_training_faults_report(comparison: TrainingFaultsComparison, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    s = comparison.scenario
-    figures = comparison.figures()
-    body = (
-        f"<p>A job of {s.nodes} nodes × {s.gpus_per_node} GPUs for {s.days:g} days ({s.replications} runs), "
-        f"{s.lemon_fraction * 100:g} % lemons failing {s.lemon_factor:g}× as often. Baseline: manual recovery, "
-        f"no culling, {s.baseline_checkpoint_interval_s / 3600:g} h checkpoints of {s.baseline_checkpoint_cost_s:g} s. "
-        f"Platform: pre-flight culling, classifier, isolation, warm spares, Daly/Young intervals. Goals met: "
-        f"<b>{figures['goals_met']}</b>.</p>"
-        + comparison_table(case_columns(comparison), ettr_rows(comparison))
-        + image("ETTR", _sweep_plot(comparison)) + settings_table(s)
-    )
-    path.write_text(page("gpuplane: training fault tolerance", body), encoding="utf-8")
-    return path
+def _time_rows(sweep: Sweep[Any, TrainingFaultsFigures]) -> list[tuple[str, ...]]:
+    def cell(name: str) -> str:
+        return sweep.spreads[name].show(2)
+
+    parts = (("productive (ETTR)", "ettr_pct"), ("lost to rollbacks", "lost_pct"),
+             ("down: failure to training", "down_pct"), ("blocking saves", "save_pct"))
+    return [(label, cell(f"baseline_{key}"), cell(f"platform_{key}")) for label, key in parts]
+
+
+def sections(sweep: Sweep[Any, TrainingFaultsFigures]) -> list[str]:
+    s = sweep.settings
+    intro = (f"<p>{s.nodes} nodes × 8 GPUs for {s.days:g} days, {s.spare_nodes} more nodes in the cluster, "
+             f"{s.failure_rate_per_node_day * 100:g} % failures per node-day for <b>both</b> arms. Medians "
+             f"[min–max] over {len(sweep.seeds)} seed(s).</p>")
+    return [intro, image("ETTR", _ettr_plot(sweep)),
+            "<h2>Where the wall clock went (% of wall)</h2>"
+            + comparison_table(("baseline", "platform"), _time_rows(sweep)),
+            f"<p>{html.escape('Effective rate: ' + sweep.spreads['platform_rate_per_node_day'].show(4))} "
+            f"against {html.escape(sweep.spreads['baseline_rate_per_node_day'].show(4))} failures per trained "
+            f"node-day.</p>"]
