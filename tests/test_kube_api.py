@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpuplane.kube.api import ApiError, KubeApi, RestKubeApi, pod_path
+from gpuplane.kube.api import ApiError, KubeApi, RestKubeApi, dumps, loads, pod_path
 from gpuplane.kube.informer import Informer
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 
@@ -720,3 +722,35 @@ def test_writes_over_tls_verify_the_server_as_the_client_is_configured(tmp_path:
     finally:
         server.close()
     assert [(c, p) for c, _, p, _ in server.seen] == [(0, "/a"), (0, "/b")]
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1) |
+    st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_JSON_VALUES)
+def test_the_codec_reads_and_writes_what_the_standard_library_does(value: Any) -> None:
+    """`loads`/`dumps` (orjson where installed) agree with `json` on every JSON value the API server can send
+    (its integers are int64)."""
+    text = json.dumps(value)
+    assert loads(text) == json.loads(text)
+    assert loads(text.encode()) == json.loads(text)
+    assert json.loads(dumps(value)) == value
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b"[Infinity, -Infinity]", b"1e400", b'{"a": 1, "a": 2}'])
+def test_what_orjson_refuses_is_read_as_json_reads_it(raw: bytes) -> None:
+    """orjson refuses NaN and 1e400 (json reads them); duplicate keys: the last wins in both."""
+    expected = json.loads(raw)
+    got = loads(raw)
+    assert repr(got) == repr(expected)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1,]", b"\xff"])
+def test_undecodable_input_raises_jsons_error(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        loads(raw)

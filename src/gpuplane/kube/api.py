@@ -22,6 +22,13 @@ from kubernetes.client import ApiClient, Configuration
 
 from gpuplane.model import GpuplaneError
 
+try:  # not a dependency: used where installed, with the standard library's answer where it refuses
+    import orjson
+
+    _orjson: Any = orjson
+except ImportError:  # pragma: no cover (installed in this project's images)
+    _orjson = None
+
 JsonObject = dict[str, Any]
 PatchType = Literal["merge", "strategic", "json"]
 
@@ -69,6 +76,32 @@ class KubeApi(Protocol):
     def delete(self, path: str, body: Mapping[str, Any] | None = None) -> JsonObject: ...
 
 
+def loads(raw: bytes | str) -> Any:
+    """`json.loads`, through orjson where it is installed (a third of the CPU on a watch event or an answer).
+    What orjson refuses (NaN, infinities, bad input) goes to `json`, so those answers and errors are json's.
+    One difference: an integer past 64 bits is read as a float, as the API server's own decoder reads it
+    (apimachinery's JSON numbers are int64, else float64), so no API server sends one."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
+
+
+def dumps(body: Any) -> bytes:
+    """A request body as compact JSON (UTF-8), through orjson where it is installed; what it cannot encode
+    (keys that are not strings, integers past 64 bits, other types) is encoded by `json` as before. One
+    difference: a NaN or infinite float, which no API server accepts, is written null rather than `NaN`."""
+    if _orjson is not None:
+        try:
+            encoded: bytes = _orjson.dumps(body)
+            return encoded
+        except TypeError:  # orjson.JSONEncodeError
+            pass
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def pod_path(namespace: str, name: str = "", sub: str = "") -> str:
     path = f"/api/v1/namespaces/{namespace}/pods"
     if name:
@@ -105,7 +138,7 @@ def _status_error(status: int, raw: bytes, fallback_reason: str = "") -> ApiErro
     """An `ApiError` from a non-2xx answer; the body is a Status when the API server wrote it."""
     body: dict[str, Any] = {}
     try:
-        parsed = json.loads(raw) if raw else {}
+        parsed = loads(raw) if raw else {}
         if isinstance(parsed, dict):
             body = parsed
     except ValueError:
@@ -165,7 +198,7 @@ class WatchStream:
             if not line:
                 continue
             try:
-                event = json.loads(line)
+                event = loads(line)
             except ValueError as exc:
                 self.close()
                 raise ApiError(0, "BadWatchEvent", f"undecodable watch line: {line[:200]!r}") from exc
@@ -357,7 +390,7 @@ class RestKubeApi:
         data = None
         if body is not None:
             headers["Content-Type"] = content_type or "application/json"
-            data = json.dumps(body, separators=(",", ":")).encode()
+            data = dumps(body)
         manager = client.rest_client.pool_manager
         host = client.configuration.host
         plain = type(manager) is urllib3.PoolManager and _PLAIN_PATH.fullmatch(path) is not None
@@ -468,7 +501,7 @@ class RestKubeApi:
                 response.release_conn()
         if not raw:
             return {}
-        parsed = json.loads(raw)
+        parsed = loads(raw)
         return parsed if isinstance(parsed, dict) else {"items": parsed}
 
     # -- KubeApi -----------------------------------------------------------------------------------------------
