@@ -505,6 +505,43 @@ def test_backfill_is_transparent_to_a_higher_class() -> None:
     assert_cache_matches(scheduler, world_)
 
 
+# (backfill_idle_nodes_only, node of the batch pod, node of the training pod that follows, batch pods evicted)
+# n0 (2 cards): training t on card 0, card 1 free; n1 (2 cards): idle. Binpack sends a one-card pod to n0
+# (1/2 used beats 0/2), the batch pod as well unless the rule keeps it off nodes where training holds a GPU.
+IDLE_NODES_CASES = [
+    (False, "n0", "n0", 1),  # the batch pod took n0's free card: the training pod evicts it (and waits for it)
+    (True, "n1", "n0", 0),   # the batch pod went to the idle n1: n0's free card is there for the training pod
+]
+
+
+@pytest.mark.parametrize(("idle_only", "batch_node", "training_node", "evicted"), IDLE_NODES_CASES)
+def test_backfill_idle_nodes_only_leaves_the_fragments_beside_higher_pods(idle_only: bool, batch_node: str,
+                                                                         training_node: str, evicted: int) -> None:
+    world_, scheduler = world(node("n0").gpus(2).obj(), node("n1").gpus(2).obj(),
+                              rules=SchedulingRules(backfill_idle_nodes_only=idle_only))
+    bind_as(world_, classed(gpu_pod("t", 0, 1000), "training"), whole_on("n0", 0))
+    world_.create_pod(classed(gpu_pod("b", 0, 1000), "batch-low"))
+    (batch,) = scheduler.run_pending()
+    assert batch.decision.assignment is not None and batch.decision.assignment.node == batch_node
+    world_.create_pod(classed(gpu_pod("T", 0, 1000), "training"))
+    (training,) = scheduler.run_pending()
+    assert training.decision.status.ok, training.decision.status.message
+    assert training.decision.assignment is not None and training.decision.assignment.node == training_node
+    assert len(world_.evictions) == evicted
+    assert_cache_matches(scheduler, world_)
+
+
+def test_backfill_idle_nodes_only_parks_a_batch_pod_with_no_idle_node() -> None:
+    world_, scheduler = world(node("n0").gpus(2).obj(), rules=SchedulingRules(backfill_idle_nodes_only=True))
+    bind_as(world_, classed(gpu_pod("t", 0, 1000), "training"), whole_on("n0", 0))
+    world_.create_pod(classed(gpu_pod("b", 0, 1000), "batch-low"))
+    (batch,) = scheduler.run_pending()
+    # card 1 is free, but beside a training pod: resolvable (the node is idle again once t is gone)
+    assert batch.decision.status.code is Code.UNSCHEDULABLE
+    assert "where a pod above the backfill holds a GPU" in batch.decision.status.message
+    assert world_.running() == {"t"}
+
+
 def test_backfill_pods_do_not_displace_each_other() -> None:
     world_, scheduler = world(node("n0").gpus(1).obj())
     bind_as(world_, classed(gpu_pod("b0", 0, 1000), "batch-low"), whole_on("n0", 0))
