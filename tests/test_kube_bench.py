@@ -40,5 +40,8 @@ def test_every_pod_is_bound_with_three_writes_and_no_reads() -> None:
         assert measured.scheduler_writes_per_pod == 3.0
         assert measured.reads_beyond_watches == 0
         assert measured.pods_bound_per_s > 0 and measured.p99_ms >= measured.p50_ms > 0
+    # CPU per bound pod of each process, from /proc (scheduler) and process_time (this one); one run: its median.
+    assert scheduled.scheduler_cpu_ms_per_pod > 0 and scheduled.client_cpu_ms_per_pod > 0
+    assert figures.median_scheduler_cpu_ms_per_pod == scheduled.scheduler_cpu_ms_per_pod
     # 20 nodes are below the 5,000 the throughput target is set at: nothing is missed.
     assert run.ok, run.misses
