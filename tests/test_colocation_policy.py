@@ -1,5 +1,6 @@
 """The online-first arbitration of one shared card (`gpuplane.controllers.colocation`): the offline state
-machine, the slice arbiter, the memory guard's safety line and admission, and the eviction choice.
+machine, the slice arbiter, the memory guard's safety line and admission, the eviction choice, and the
+pass that puts them together (`CardPolicy.decide`, what the node guard and the scenario both run).
 
 All pure: readings in, decisions out. Memory is in whole GiB (`G`) so that the arithmetic in the comments is
 exact; times are binary fractions (0.25, 0.5, ...) so that float comparisons at the boundaries are exact.
@@ -19,13 +20,16 @@ from hypothesis import strategies as st
 from gpuplane.controllers.colocation import (
     GIB,
     OFFLINE_TRANSITIONS,
+    CardPolicy,
     EvictionCandidate,
     GuardSettings,
     MemoryGuard,
     OfflineAction,
     OfflineEvent,
     OfflineState,
+    OfflineView,
     SliceArbiter,
+    Step,
     offline_transition,
     pick_eviction,
 )
@@ -48,6 +52,15 @@ EXPECTED_TRANSITIONS: dict[tuple[OfflineState, OfflineEvent], tuple[OfflineState
     (S.RUNNING, E.EXITED): (S.GONE, A.FORGET),
     (S.SUSPENDED, E.EXITED): (S.GONE, A.FORGET),
     (S.EVICTING, E.EXITED): (S.GONE, A.FORGET),
+    # admission: a starting job that would break the safety line is held (stopped) ...
+    (S.RUNNING, E.NOT_ADMITTED): (S.HELD, A.HOLD),
+    # ... and, once it fits, waits stopped like a suspended job for the slice arbiter to let it run
+    (S.HELD, E.ADMITTED): (S.SUSPENDED, A.ADMIT),
+    # held too long, low memory or over quota: evicted; exit: forgotten
+    (S.HELD, E.ADMISSION_TIMEOUT): (S.EVICTING, A.EVICT),
+    (S.HELD, E.MEMORY_LOW): (S.EVICTING, A.EVICT),
+    (S.HELD, E.QUOTA_EXCEEDED): (S.EVICTING, A.EVICT),
+    (S.HELD, E.EXITED): (S.GONE, A.FORGET),
 }
 """The table written out by hand from the policy's rules (not copied from the module)."""
 
@@ -68,9 +81,12 @@ UNLISTED = [(s, e) for s, e in itertools.product(OfflineState, OfflineEvent) if 
 
 
 def test_the_unlisted_pairs_include_the_ones_that_matter() -> None:
-    # 4 states x 5 events = 20 pairs, 9 listed, 11 change nothing
-    assert len(UNLISTED) == 20 - 9
-    for pair in [(S.SUSPENDED, E.ONLINE_DEMAND),  # already suspended: demand again changes nothing
+    # 5 states x 8 events = 40 pairs, 15 listed, 25 change nothing
+    assert len(UNLISTED) == 40 - 15
+    for pair in [(S.HELD, E.ONLINE_IDLE),  # a held job never resumes before it is admitted
+                 (S.HELD, E.ONLINE_DEMAND),
+                 (S.SUSPENDED, E.NOT_ADMITTED),  # admission is for starting jobs only
+                 (S.SUSPENDED, E.ONLINE_DEMAND),  # already suspended: demand again changes nothing
                  (S.RUNNING, E.ONLINE_IDLE),  # already running
                  (S.EVICTING, E.MEMORY_LOW),  # already told to exit: no second SIGTERM
                  (S.EVICTING, E.ONLINE_IDLE),  # an evicting job never resumes
@@ -353,3 +369,73 @@ def test_guard_settings_accept_zeros() -> None:
     assert guard.threshold() == 0  # nothing kept free
     assert guard.admissible_bytes(7 * G) == 7 * G
     assert not guard.should_evict(0)
+
+
+# ------------------------------------------------------------------------------- one pass: CardPolicy
+def view(name: str, state: OfflineState = S.RUNNING, used: int = 0, *, quota: int | None = None,
+         since: float = 0.0, first_seen: float = 0.0, alive: bool = True, known: bool = True,
+         starting: bool = False) -> OfflineView:
+    return OfflineView(name, state, since, first_seen, alive, used * G, known,
+                       None if quota is None else quota * G, starting)
+
+
+DecideCase = tuple[list[OfflineView], int, bool | None, list[tuple[str, OfflineEvent]], OfflineEvent | None]
+
+# One pass at t = 10 s on a policy that has seen online at 20 GiB only: threshold 5 GiB (2 + 1.5 x 2),
+# admission room = free - 5 - 2 (hysteresis). (views, free GiB, online active, steps, gate)
+DECIDE_CASES: dict[str, DecideCase] = {
+    "idle-and-room-nothing-to-do": ([view("a", used=10)], 40, False, [], E.ONLINE_IDLE),
+    "demand-is-the-gate-not-a-step": ([view("a", used=10)], 40, True, [], E.ONLINE_DEMAND),
+    "no-gate-read": ([view("a", used=10)], 40, None, [], None),
+    "exited-is-forgotten": ([view("a", used=10, alive=False)], 40, None, [("a", E.EXITED)], None),
+    # quota 8 GiB, uses 10: evicted for quota
+    "over-quota": ([view("a", used=10, quota=8)], 40, None, [("a", E.QUOTA_EXCEEDED)], None),
+    # free 4 < 5: shortfall 1 GiB; b (3 GiB) is the smallest that covers it
+    "memory-low-picks-the-smallest-that-covers": (
+        [view("a", used=10), view("b", S.SUSPENDED, used=3)], 4, None, [("b", E.MEMORY_LOW)], None),
+    # shortfall 5 - 4 - 3 (already being evicted) < 0: nothing more
+    "pending-eviction-counts-as-freed": (
+        [view("a", used=10), view("b", S.EVICTING, used=3)], 4, None, [], None),
+    # a starting job quota 30 GiB, holds 0: room 40 - 5 - 2 = 33 >= 30: goes on, no step
+    "a-start-that-fits": ([view("n", quota=30, starting=True)], 40, None, [], None),
+    # room 33 < 34: held
+    "a-start-that-does-not-fit-is-held": (
+        [view("n", quota=34, starting=True)], 40, None, [("n", E.NOT_ADMITTED)], None),
+    # a running job with quota 20 holds 10: 10 more may come; room 33 - 10 = 23 < 30: held
+    "the-others-growth-counts": (
+        [view("a", used=10, quota=20), view("n", quota=30, starting=True, first_seen=5.0)], 40, None,
+        [("n", E.NOT_ADMITTED)], None),
+    # held since 9 s (1 s), quota 30 <= room 33: admitted, and the gate (idle) comes after
+    "held-then-fits": ([view("h", S.HELD, quota=30, since=9.0)], 40, False, [("h", E.ADMITTED)], E.ONLINE_IDLE),
+    # oldest first: o (first seen 1) takes 20 of 33, n (first seen 2) needs 20 > 13: held
+    "oldest-first": ([view("n", quota=20, starting=True, first_seen=2.0),
+                      view("o", S.HELD, quota=20, first_seen=1.0, since=9.0)], 40, None,
+                     [("o", E.ADMITTED), ("n", E.NOT_ADMITTED)], None),
+    # held since -600: 610 s >= the 600 s timeout: evicted
+    "held-too-long": ([view("h", S.HELD, quota=60, since=-600.0)], 40, None, [("h", E.ADMISSION_TIMEOUT)], None),
+}
+
+
+@pytest.mark.parametrize("case", list(DECIDE_CASES))
+def test_one_pass(case: str) -> None:
+    views, free_gib, active, steps, gate = DECIDE_CASES[case]
+    policy = CardPolicy(GuardSettings(min_slice_s=0.0))
+    policy.memory.observe(0.0, 20 * G)
+    decision = policy.decide(10.0, active, 20 * G, free_gib * G, views)
+    assert [(step.name, step.event) for step in decision.steps] == steps
+    assert decision.gate is gate
+    assert decision.threshold == 5 * G
+
+
+def test_without_evictions_the_line_still_admits() -> None:
+    # plain sharing: no eviction however low memory is, but a start that would break the line is held
+    policy = CardPolicy(GuardSettings(), evictions=False)
+    decision = policy.decide(0.0, None, 20 * G, 3 * G, [view("a", used=10), view("n", quota=1, starting=True)])
+    assert decision.steps == (Step("n", E.NOT_ADMITTED, "admission: would take 1073741824 B, 0 B may start"),)
+
+
+@pytest.mark.parametrize("fields", [{"admission": False}, {"memory_guard": False}])
+def test_admission_off_admits_everything(fields: dict[str, Any]) -> None:
+    policy = CardPolicy(GuardSettings(**fields))
+    decision = policy.decide(0.0, None, 20 * G, 3 * G, [view("n", quota=70, starting=True)])
+    assert not [s for s in decision.steps if s.event is E.NOT_ADMITTED]

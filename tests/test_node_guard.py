@@ -328,6 +328,70 @@ def test_quota_evicts_offline_even_when_stopped_and_only_counts_online(procs: Pr
     procs.assert_online_untouched(chat)
 
 
+# -- admission: an offline start that would break the safety line -------------------------------------
+
+
+def test_a_start_that_would_break_the_safety_line_is_held_until_it_fits(procs: Procs) -> None:
+    chat, old, new = procs.online(), procs.busy(), procs.busy()
+    r = rig(online(chat), offline("old", old), min_slice_s=0.0, admit_timeout_s=900.0)
+    r.backend.set_process(0, chat, 40 * GIB, 0.0)
+    r.backend.set_process(0, old, 10 * GIB, 50.0)
+    r.at(1.0)  # the containers of the first pass were running before the guard: no admission for them
+    # a pod placed while the guard runs, quota 30 GiB, nothing allocated yet
+    r.guard.update_containers([online(chat), offline("old", old), offline("new", new, memory_quota_bytes=30 * GIB)])
+    r.backend.set_process(0, new, 0, 0.0)
+    # free 80 - 40 - 10 = 30 GiB; room = 30 - 5 (line: 2 + 1.5 x 2) - 2 (hysteresis) = 23 < 30: held
+    r.at(2.0)
+    wait_state(new, ProcessState.STOPPED)
+    assert process_state(old) is ProcessState.RUNNING
+    assert r.kinds() == [(GuardActionKind.HOLD, "new")]
+    assert r.guard.actions[-1].reason == f"admission: would take {30 * GIB} B, {23 * GIB} B may start"
+    assert r.value("gpuplane_guard_holds_total", card="0", container="new") == 1
+    assert r.value("gpuplane_guard_offline_suspended", card="0", container="new") == 1
+    r.at(3.0)  # nothing changed: still held, no second SIGSTOP
+    assert len(r.kinds()) == 1
+    # online falls to 30 GiB: free 40 GiB, but online may return to its 40 GiB peak of the last 600 s:
+    # room = 40 - (40 - 30) - 5 - 2 = 23 < 30: still held
+    r.backend.set_process(0, chat, 30 * GIB, 0.0)
+    r.at(4.0)
+    assert process_state(new) is ProcessState.STOPPED and len(r.kinds()) == 1
+    # 601 s later the 40 GiB peak has left the admission window: room 40 - 5 - 2 = 33 >= 30: admitted,
+    # and online is idle, so the slice arbiter lets it run in the same pass
+    r.at(605.0)
+    wait_state(new, ProcessState.RUNNING)
+    assert r.kinds()[1:] == [(GuardActionKind.ADMIT, "new"), (GuardActionKind.RESUME, "new")]
+    procs.assert_online_untouched(chat)
+
+
+def test_a_held_start_that_never_fits_is_evicted_for_the_scheduler_to_place_again(procs: Procs) -> None:
+    chat, new = procs.online(), procs.busy()
+    r = rig(online(chat), admit_timeout_s=60.0)
+    r.backend.set_process(0, chat, 60 * GIB, 0.0)
+    r.at(1.0)
+    r.guard.update_containers([online(chat), offline("new", new, memory_quota_bytes=30 * GIB)])
+    r.backend.set_process(0, new, 0, 0.0)
+    r.at(2.0)  # free 20 GiB, room 20 - 5 - 2 = 13 < 30: held
+    wait_state(new, ProcessState.STOPPED)
+    r.at(61.5)  # held 59.5 s < 60 s
+    assert r.kinds() == [(GuardActionKind.HOLD, "new")]
+    r.at(62.0)  # 60 s: evicted (SIGTERM + SIGCONT: the busy loop exits)
+    wait_state(new, ProcessState.ZOMBIE)
+    assert r.kinds()[1:] == [(GuardActionKind.EVICT, "new")]
+    assert r.value("gpuplane_guard_evictions_total", card="0", container="new", reason="admission") == 1
+
+
+@pytest.mark.parametrize("options", [{"admission": False}, {"memory_guard": False}], ids=["admission-off", "guard-off"])
+def test_without_admission_a_start_runs(procs: Procs, options: dict[str, Any]) -> None:
+    chat, new = procs.online(), procs.busy()
+    r = rig(online(chat), **options)
+    r.backend.set_process(0, chat, 60 * GIB, 0.0)
+    r.at(1.0)
+    r.guard.update_containers([online(chat), offline("new", new, memory_quota_bytes=30 * GIB)])
+    r.at(2.0)
+    assert process_state(new) is ProcessState.RUNNING
+    assert GuardActionKind.HOLD not in [kind for kind, _ in r.kinds()]
+
+
 # -- restarts and the state file ------------------------------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """Online-first arbitration of one shared card: when offline work is held back, resumed or evicted.
 
-These are pure decisions over readings (time, whether online work is active, memory in bytes). The
-simulated card model (`gpuplane.sim.colocation`) and the node agent's guard (`gpuplane.node.guard`) both
-act on them, so the policy a simulation measures is the policy the guard enforces.
+These are pure decisions over readings (time, whether online work is active, memory in bytes). The node
+agent's guard (`gpuplane.node.guard`) and the co-location scenario (`gpuplane.sim.colocation`) both take
+each pass's decisions from `CardPolicy.decide`, so the policy a simulation measures is the policy the guard
+enforces.
 
 - Online always wins: the moment online demand appears, offline work is suspended. Online work is never
   suspended.
@@ -10,8 +11,11 @@ act on them, so the policy a simulation measures is the policy the guard enforce
   does not make offline thrash between stopped and running.
 - Memory guard: offline work is evicted when free card memory falls below a safety line that covers how
   fast online memory has been seen to grow over the guard's reaction horizon (sampling period plus the
-  time an eviction takes to free memory). Offline is admitted only if, after its footprint, that line plus
-  a hysteresis stays free even when online returns to the peak it reached in the admission window.
+  time an eviction takes to free memory).
+- Admission: an offline container that starts while the guard runs may go on only if, after its footprint
+  (its memory quota, else what it holds), that line plus a hysteresis stays free even when online returns
+  to the peak it reached in the admission window. Otherwise it is held (stopped) until it fits, and
+  evicted if it has not fitted within the admission timeout (the scheduler places it again).
 """
 
 from __future__ import annotations
@@ -19,10 +23,28 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class GuardReaction:
+    """How fast the node guard reacts: the defaults of `gpuplane.node.guard.GuardOptions`, kept here so that
+    the co-location scenario models the guard that ships (sim may not import node)."""
+
+    poll_s: float = 0.05
+    """One pass (a reading of every card) this often."""
+    min_slice_s: float = 0.25
+    """Offline resumes after online has been idle this long."""
+    online_sm_threshold_pct: float = 5.0
+    """An online process above this SM utilisation (over the driver's sample) is online demand."""
+    kill_grace_s: float = 10.0
+    """SIGKILL follows SIGTERM after this long (at once on online demand)."""
+
+
+GUARD_REACTION = GuardReaction()
 
 
 class OfflineState(enum.Enum):
@@ -30,6 +52,8 @@ class OfflineState(enum.Enum):
 
     RUNNING = "running"
     SUSPENDED = "suspended"
+    HELD = "held"
+    """Started while starting would break the safety line: stopped until admission lets it go on."""
     EVICTING = "evicting"
     """Told to exit (SIGTERM); its memory is not free yet."""
     GONE = "gone"
@@ -42,6 +66,10 @@ class OfflineEvent(enum.Enum):
     MEMORY_LOW = "memory-low"
     QUOTA_EXCEEDED = "quota-exceeded"
     EXITED = "exited"
+    NOT_ADMITTED = "not-admitted"
+    """A container seen starting whose footprint would break the safety line."""
+    ADMITTED = "admitted"
+    ADMISSION_TIMEOUT = "admission-timeout"
 
 
 class OfflineAction(enum.Enum):
@@ -49,6 +77,10 @@ class OfflineAction(enum.Enum):
     RESUME = "resume"
     EVICT = "evict"
     FORGET = "forget"
+    HOLD = "hold"
+    """Stop a starting container (SIGSTOP) until it is admitted."""
+    ADMIT = "admit"
+    """A held container may go on: it stays stopped until the slice arbiter resumes it (no signal)."""
 
 
 OFFLINE_TRANSITIONS: dict[tuple[OfflineState, OfflineEvent], tuple[OfflineState, OfflineAction]] = {
@@ -61,6 +93,12 @@ OFFLINE_TRANSITIONS: dict[tuple[OfflineState, OfflineEvent], tuple[OfflineState,
     (OfflineState.RUNNING, OfflineEvent.EXITED): (OfflineState.GONE, OfflineAction.FORGET),
     (OfflineState.SUSPENDED, OfflineEvent.EXITED): (OfflineState.GONE, OfflineAction.FORGET),
     (OfflineState.EVICTING, OfflineEvent.EXITED): (OfflineState.GONE, OfflineAction.FORGET),
+    (OfflineState.RUNNING, OfflineEvent.NOT_ADMITTED): (OfflineState.HELD, OfflineAction.HOLD),
+    (OfflineState.HELD, OfflineEvent.ADMITTED): (OfflineState.SUSPENDED, OfflineAction.ADMIT),
+    (OfflineState.HELD, OfflineEvent.ADMISSION_TIMEOUT): (OfflineState.EVICTING, OfflineAction.EVICT),
+    (OfflineState.HELD, OfflineEvent.MEMORY_LOW): (OfflineState.EVICTING, OfflineAction.EVICT),
+    (OfflineState.HELD, OfflineEvent.QUOTA_EXCEEDED): (OfflineState.EVICTING, OfflineAction.EVICT),
+    (OfflineState.HELD, OfflineEvent.EXITED): (OfflineState.GONE, OfflineAction.FORGET),
 }
 """(state, event) -> (next state, action). Pairs not listed change nothing (e.g. demand while suspended)."""
 
@@ -92,9 +130,14 @@ class GuardSettings:
     """Offline is admitted only with the safety line plus this much free after its footprint."""
     admit_window_s: float = 600.0
     """Admission assumes online may return to the peak it reached this long back."""
+    admission: bool = True
+    """Hold an offline container that starts while its footprint would break the safety line (with the
+    memory guard only)."""
+    admit_timeout_s: float = 600.0
+    """A container held this long is evicted, so that the scheduler places it again."""
 
     def __post_init__(self) -> None:
-        for name in ("min_slice_s", "reaction_horizon_s", "growth_window_s", "admit_window_s"):
+        for name in ("min_slice_s", "reaction_horizon_s", "growth_window_s", "admit_window_s", "admit_timeout_s"):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {getattr(self, name)!r}")
         for name in ("safety_margin_bytes", "min_growth_bytes", "admit_hysteresis_bytes"):
@@ -205,3 +248,134 @@ def pick_eviction(candidates: Sequence[EvictionCandidate], shortfall_bytes: int)
     if enough:
         return min(enough, key=lambda c: (c.used_bytes, -c.started_at, c.name))
     return max(candidates, key=lambda c: (c.used_bytes, c.started_at, c.name))
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineView:
+    """One offline container on a card, as one pass reads it."""
+
+    name: str
+    state: OfflineState
+    since: float
+    """When it entered `state`."""
+    first_seen: float
+    alive: bool
+    """It has processes left."""
+    used_bytes: int
+    """Card memory its processes hold."""
+    used_known: bool = True
+    """False when the driver does not report (all of) its memory."""
+    quota_bytes: int | None = None
+    starting: bool = False
+    """First seen in this pass, started while the guard runs: admission applies."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """An event for one offline container, in the order a pass applies them."""
+
+    name: str
+    event: OfflineEvent
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CardDecision:
+    steps: tuple[Step, ...]
+    """Exits, quota and admission-timeout evictions, a memory eviction, then admission."""
+    gate: OfflineEvent | None
+    """The slice arbiter's event, applied to every offline container after the steps (None: no change, or
+    no gate read in this pass)."""
+    threshold: int
+    """The safety line (bytes of free memory)."""
+
+
+class CardPolicy:
+    """The online-first policy of one card, one pass at a time: what the node guard decides from its readings
+    (and the co-location scenario replays). `decide` feeds the memory guard and the slice arbiter and walks
+    the offline containers through the transition table; the caller acts on the steps (signals on a node)."""
+
+    def __init__(self, settings: GuardSettings, *, evictions: bool = True) -> None:
+        self.settings = settings
+        self.evictions = evictions
+        """False: the safety line is kept for admission only (plain sharing with no guard acting after)."""
+        self.arbiter = SliceArbiter(settings.min_slice_s)
+        self.memory = MemoryGuard(settings)
+
+    def retune(self, settings: GuardSettings) -> None:
+        """New thresholds; what the arbiter and the memory guard have seen is kept."""
+        self.settings = settings
+        self.arbiter.min_slice_s = settings.min_slice_s
+        self.memory.settings = settings
+
+    def decide(self, now: float, online_active: bool | None, online_bytes: int, free_bytes: int,
+               offline: Sequence[OfflineView]) -> CardDecision:
+        """One pass: `online_active` None when the pass reads no online demand (a gate acting elsewhere)."""
+        s = self.settings
+        memory = self.memory
+        memory.observe(now, online_bytes)
+        threshold = memory.threshold()
+        states = {v.name: v.state for v in offline}
+        steps: list[Step] = []
+
+        def step(view: OfflineView, event: OfflineEvent, reason: str) -> None:
+            state, action = offline_transition(states[view.name], event)
+            if action is not None:
+                states[view.name] = state
+                steps.append(Step(view.name, event, reason))
+
+        for view in offline:
+            quota = view.quota_bytes
+            if not view.alive:
+                step(view, OfflineEvent.EXITED, "all its processes have exited")
+            elif view.state is OfflineState.EVICTING:
+                continue
+            elif quota is not None and view.used_bytes > quota:
+                step(view, OfflineEvent.QUOTA_EXCEEDED, f"quota: uses {view.used_bytes} B > quota {quota} B")
+            elif view.state is OfflineState.HELD and now - view.since >= s.admit_timeout_s:
+                step(view, OfflineEvent.ADMISSION_TIMEOUT,
+                     f"admission: held {now - view.since:g} s, longer than {s.admit_timeout_s:g} s")
+
+        if self.evictions and memory.should_evict(free_bytes):
+            pending = sum(v.used_bytes for v in offline if states[v.name] is OfflineState.EVICTING and v.alive)
+            shortfall = threshold - free_bytes - pending
+            live = (OfflineState.RUNNING, OfflineState.SUSPENDED, OfflineState.HELD)
+            candidates = [EvictionCandidate(v.name, v.used_bytes, v.first_seen) for v in offline
+                          if states[v.name] in live and v.alive and (v.used_bytes > 0 or not v.used_known)]
+            chosen = pick_eviction(candidates, shortfall) if shortfall > 0 else None
+            if chosen is not None:
+                view = next(v for v in offline if v.name == chosen.name)
+                step(view, OfflineEvent.MEMORY_LOW, f"memory: free {free_bytes} B < threshold {threshold} B")
+
+        if s.admission and s.memory_guard:
+            self._admit(offline, states, free_bytes, step)
+
+        gate = self.arbiter.observe(now, online_active) if online_active is not None else None
+        return CardDecision(tuple(steps), gate, threshold)
+
+    def _admit(self, offline: Sequence[OfflineView], states: dict[str, OfflineState], free_bytes: int,
+               step: Callable[[OfflineView, OfflineEvent, str], None]) -> None:
+        """Starting and held containers, oldest first: each goes on if what it will still take (its quota, else
+        what it holds, less what it holds) fits in what may start now, after the growth the others have left."""
+        def still_to_take(view: OfflineView) -> int:
+            footprint = view.quota_bytes if view.quota_bytes is not None else view.used_bytes
+            return max(0, footprint - view.used_bytes)
+
+        def waits(view: OfflineView) -> bool:
+            state = states[view.name]
+            return view.alive and (state is OfflineState.HELD or (view.starting and state is OfflineState.RUNNING))
+
+        waiting = sorted(filter(waits, offline), key=lambda v: (v.first_seen, v.name))
+        if not waiting:
+            return
+        going = (OfflineState.RUNNING, OfflineState.SUSPENDED)
+        room = self.memory.admissible_bytes(free_bytes) - sum(
+            still_to_take(v) for v in offline if states[v.name] in going and v.alive and not v.starting)
+        for view in waiting:
+            need = still_to_take(view)
+            if need <= room:
+                room -= need
+                if states[view.name] is OfflineState.HELD:
+                    step(view, OfflineEvent.ADMITTED, f"admission: takes {need} B, {room + need} B may start")
+            elif states[view.name] is OfflineState.RUNNING:
+                step(view, OfflineEvent.NOT_ADMITTED, f"admission: would take {need} B, {max(room, 0)} B may start")

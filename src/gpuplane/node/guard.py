@@ -1,14 +1,16 @@
 """The co-location guard: online inference and offline batch work share a card; online always wins.
 
-Each pass (`tick`) reads every card once and, per card, feeds the online-first policy of
-`gpuplane.controllers.colocation` (`SliceArbiter`, `MemoryGuard`, `offline_transition`), then acts on
-the offline containers' processes:
+Each pass (`tick`) reads every card once and, per card, takes the online-first policy's decisions from
+`gpuplane.controllers.colocation.CardPolicy` (`SliceArbiter`, `MemoryGuard`, `pick_eviction`, the
+transition table), then acts on the offline containers' processes:
 
 - online demand (an online container's process above the SM threshold): SIGSTOP every offline process;
 - online idle for the minimum slice: SIGCONT them;
 - free memory under the safety line, or an offline container above its quota: evict it (SIGTERM and
   SIGCONT, then SIGKILL after the grace period if it is still alive, or at once if online demand appears
   during the grace: a continued process must not compete with online work);
+- an offline container that starts while the guard runs and whose footprint (its quota) would break the
+  safety line: held (SIGSTOP) until it fits, evicted if it has not fitted within the admission timeout;
 - an online container above its quota is logged and counted, never signalled.
 
 Fail safe: a failed card reading changes nothing; unknown and vanished processes are skipped. Each
@@ -38,14 +40,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from gpuplane.controllers.colocation import (
-    EvictionCandidate,
+    GUARD_REACTION,
+    CardPolicy,
     GuardSettings,
-    MemoryGuard,
+    OfflineAction,
     OfflineEvent,
     OfflineState,
-    SliceArbiter,
+    OfflineView,
     offline_transition,
-    pick_eviction,
 )
 from gpuplane.model import GpuplaneError
 from gpuplane.model.yamlfile import load_yaml_model
@@ -54,6 +56,8 @@ from gpuplane.node.processes import ProcessState, SignalResult, container_pids, 
 
 log = logging.getLogger(__name__)
 _DEFAULTS = GuardSettings()
+_STOPPED = (OfflineState.SUSPENDED, OfflineState.HELD)
+"""States in which the guard keeps an offline container's processes stopped."""
 
 
 class GuardConfigError(GpuplaneError):
@@ -65,13 +69,13 @@ class GuardOptions(BaseModel):
     (the `GuardSettings` fields of the same names)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    poll_s: float = Field(default=0.05, gt=0, allow_inf_nan=False)
-    kill_grace_s: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    poll_s: float = Field(default=GUARD_REACTION.poll_s, gt=0, allow_inf_nan=False)
+    kill_grace_s: float = Field(default=GUARD_REACTION.kill_grace_s, ge=0, allow_inf_nan=False)
     """SIGKILL follows SIGTERM after this long if the container is still alive."""
-    online_sm_threshold_pct: float = Field(default=5.0, ge=0, le=100)
+    online_sm_threshold_pct: float = Field(default=GUARD_REACTION.online_sm_threshold_pct, ge=0, le=100)
     """An online process above this SM utilisation is online demand."""
     state_file: Path | None = None
-    min_slice_s: float = Field(default=0.25, ge=0, allow_inf_nan=False)
+    min_slice_s: float = Field(default=GUARD_REACTION.min_slice_s, ge=0, allow_inf_nan=False)
     """Offline resumes after online has been idle this long: several polls, so that one idle reading
     between requests does not resume it (process signals are far coarser than the kernel-level gate the
     simulator's default models)."""
@@ -81,10 +85,14 @@ class GuardOptions(BaseModel):
     min_growth_bytes: int = Field(default=_DEFAULTS.min_growth_bytes, ge=0)
     reaction_horizon_s: float = Field(default=_DEFAULTS.reaction_horizon_s, ge=0, allow_inf_nan=False)
     growth_window_s: float = Field(default=_DEFAULTS.growth_window_s, ge=0, allow_inf_nan=False)
+    admission: bool = _DEFAULTS.admission
+    """Hold an offline container that starts while its footprint would break the safety line."""
+    admit_hysteresis_bytes: int = Field(default=_DEFAULTS.admit_hysteresis_bytes, ge=0)
+    admit_window_s: float = Field(default=_DEFAULTS.admit_window_s, ge=0, allow_inf_nan=False)
+    admit_timeout_s: float = Field(default=_DEFAULTS.admit_timeout_s, ge=0, allow_inf_nan=False)
 
     def settings(self) -> GuardSettings:
-        """The policy's settings: these options' values, `GuardSettings`' defaults for the rest (admission,
-        which is the scheduler's decision, not the guard's)."""
+        """The policy's settings: these options' values, `GuardSettings`' defaults for the rest."""
         shared = {f.name for f in fields(GuardSettings)} & set(type(self).model_fields)
         return GuardSettings(**{name: getattr(self, name) for name in shared})
 
@@ -148,6 +156,10 @@ class GuardActionKind(enum.Enum):
     EVICT = "evict"
     KILL = "kill"
     FORGET = "forget"
+    HOLD = "hold"
+    """A starting offline container stopped: it does not fit under the safety line yet."""
+    ADMIT = "admit"
+    """A held container fits now; it stays stopped until online has been idle for the minimum slice."""
     QUOTA_WARNING = "quota-warning"
     """An online container above its quota: logged and counted only."""
 
@@ -171,6 +183,8 @@ class _Metrics:
         self.resumptions = counter("resumptions", "Offline containers resumed (SIGCONT).", ("card", "container"))
         self.evictions = counter("evictions", "Offline containers evicted (SIGTERM).",
                                  ("card", "container", "reason"))
+        self.holds = counter("holds", "Starting offline containers held (SIGSTOP) until they fit under the "
+                             "safety line.", ("card", "container"))
         self.kills = counter("kills", "Evicted containers killed (SIGKILL) after the grace period.")
         self.backend_errors = counter("backend_errors", "Card readings that failed; no action was taken.")
         self.unknown_pids = counter("unknown_pids", "Processes seen on a card that belong to no container.")
@@ -200,6 +214,8 @@ class _Offline:
     pids: tuple[int, ...] = ()
     """Its live processes at the last pass."""
     killed: bool = False
+    starting: bool = False
+    """Appeared while the guard runs and not read on its card yet: admission applies at that reading."""
 
 
 @dataclass(slots=True)
@@ -246,8 +262,7 @@ class ColocationGuard:
         options = config.guard
         settings = options.settings()
         cards = sorted({c.card for c in config.containers})
-        self._arbiters = {card: SliceArbiter(settings.min_slice_s) for card in cards}
-        self._memory = {card: MemoryGuard(settings) for card in cards}
+        self._policies = {card: CardPolicy(settings) for card in cards}
         self._online = [c for c in config.containers if c.qos == "online"]
         self._offline: dict[str, _Offline] = {}
         self._unknown: dict[int, set[int]] = {card: set() for card in cards}
@@ -303,7 +318,7 @@ class ColocationGuard:
                 self._refresh(tracked)
             for pid in tracked.pids:
                 owners.setdefault(pid, {})[tracked.spec.card] = tracked.spec
-        for card in self._arbiters:
+        for card in self._policies:
             reading = readings.get(card)
             if reading is None:
                 self._backend_error(f"the reading has no card {card}")
@@ -342,8 +357,14 @@ class ColocationGuard:
         if self.config.guard.state_file is not None:
             return
         for tracked in self._offline.values():
-            if tracked.state is OfflineState.SUSPENDED:
-                self._apply(tracked, OfflineEvent.ONLINE_IDLE, now, "the guard is stopping")
+            self._release(tracked, now, "the guard is stopping")
+
+    def _release(self, tracked: _Offline, now: float, reason: str) -> None:
+        """Continue a suspended or held container (through the transition table)."""
+        if tracked.state is OfflineState.HELD:
+            self._apply(tracked, OfflineEvent.ADMITTED, now, reason)
+        if tracked.state is OfflineState.SUSPENDED:
+            self._apply(tracked, OfflineEvent.ONLINE_IDLE, now, reason)
 
     def start_metrics_server(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
         """Serve this guard's metrics over HTTP (port 0: any free port, see `server.server_port`)."""
@@ -378,35 +399,21 @@ class ColocationGuard:
             if spec.card == card:
                 self._check_online_quota(now, spec, usage.get(spec.name, _Usage()).used_bytes)
 
-        memory = self._memory[card]
-        memory.observe(now, online_bytes)
-        threshold = memory.threshold()
-        self.metrics.threshold.labels(card=str(card)).set(threshold)
-
+        policy = self._policies[card]
+        views = [OfflineView(t.spec.name, t.state, t.since, t.first_seen, bool(t.pids),
+                             usage.get(t.spec.name, _Usage()).used_bytes,
+                             not usage.get(t.spec.name, _Usage()).unknown_bytes, t.spec.memory_quota_bytes,
+                             t.starting) for t in offline]
         for tracked in offline:
-            used = usage.get(tracked.spec.name, _Usage()).used_bytes
-            quota = tracked.spec.memory_quota_bytes
-            if not tracked.pids:
-                self._apply(tracked, OfflineEvent.EXITED, now, "all its processes have exited")
-            elif tracked.state is OfflineState.EVICTING:
+            tracked.starting = False
+            if tracked.pids and tracked.state is OfflineState.EVICTING:
                 self._kill_when_due(tracked, now)
-            elif quota is not None and used > quota:
-                self._apply(tracked, OfflineEvent.QUOTA_EXCEEDED, now, f"quota: uses {used} B > quota {quota} B")
+        decision = policy.decide(now, online_active, online_bytes, reading.free_bytes, views)
+        self.metrics.threshold.labels(card=str(card)).set(decision.threshold)
+        for step in decision.steps:
+            self._apply(self._offline[step.name], step.event, now, step.reason)
 
-        if memory.should_evict(reading.free_bytes):
-            live = [t for t in offline if t.state is not OfflineState.GONE]
-            pending = sum(usage.get(t.spec.name, _Usage()).used_bytes for t in live
-                          if t.state is OfflineState.EVICTING)
-            shortfall = threshold - reading.free_bytes - pending
-            candidates = [EvictionCandidate(t.spec.name, usage[t.spec.name].used_bytes, t.first_seen) for t in live
-                          if t.state in (OfflineState.RUNNING, OfflineState.SUSPENDED) and t.spec.name in usage
-                          and (usage[t.spec.name].used_bytes > 0 or usage[t.spec.name].unknown_bytes)]
-            chosen = pick_eviction(candidates, shortfall) if shortfall > 0 else None
-            if chosen is not None:
-                self._apply(self._offline[chosen.name], OfflineEvent.MEMORY_LOW, now,
-                            f"memory: free {reading.free_bytes} B < threshold {threshold} B")
-
-        event = self._arbiters[card].observe(now, online_active)
+        event = decision.gate
         if event is OfflineEvent.ONLINE_DEMAND:
             for tracked in offline:
                 if tracked.state is OfflineState.EVICTING:
@@ -425,8 +432,10 @@ class ColocationGuard:
         self._dirty = True
         spec = tracked.spec
         labels = {"card": str(spec.card), "container": spec.name}
-        self.metrics.suspended.labels(**labels).set(1 if state is OfflineState.SUSPENDED else 0)
-        if state is OfflineState.SUSPENDED:
+        self.metrics.suspended.labels(**labels).set(1 if state in _STOPPED else 0)
+        if action is OfflineAction.ADMIT:
+            self._record(now, GuardActionKind.ADMIT, spec, tracked.pids, reason)
+        elif state is OfflineState.SUSPENDED:
             self._signal(tracked, signal.SIGSTOP)
             self.metrics.reaction.observe(max(0.0, self.clock() - now))
             self.metrics.suspensions.labels(**labels).inc()
@@ -439,9 +448,14 @@ class ColocationGuard:
                 reason += f" (its processes stay stopped: suspended for card {holder.spec.card} too)"
             self.metrics.resumptions.labels(**labels).inc()
             self._record(now, GuardActionKind.RESUME, spec, tracked.pids, reason)
+        elif state is OfflineState.HELD:
+            self._signal(tracked, signal.SIGSTOP)
+            self.metrics.holds.labels(**labels).inc()
+            self._record(now, GuardActionKind.HOLD, spec, tracked.pids, reason)
         elif state is OfflineState.EVICTING:
             self._terminate(tracked)
-            cause = "quota" if event is OfflineEvent.QUOTA_EXCEEDED else "memory"
+            cause = {OfflineEvent.QUOTA_EXCEEDED: "quota", OfflineEvent.ADMISSION_TIMEOUT: "admission"}.get(
+                event, "memory")
             self.metrics.evictions.labels(**labels, reason=cause).inc()
             if cause == "quota":
                 self.metrics.quota_violations.labels(container=spec.name, qos="offline").inc()
@@ -478,7 +492,9 @@ class ColocationGuard:
         added = []
         for name, spec in listed.items():
             if name not in self._offline:
-                tracked = self._restore(spec, self._records.pop(name, None))
+                record = self._records.pop(name, None)
+                tracked = self._restore(spec, record)
+                tracked.starting = self._started and record is None
                 self._offline[name] = tracked
                 added.append(tracked)
                 self._dirty = True
@@ -491,13 +507,12 @@ class ColocationGuard:
         self._over_quota &= {c.name for c in self._online}
         settings = config.guard.settings()
         cards = {c.card for c in config.containers}
-        for card in set(self._arbiters) - cards:
-            del self._arbiters[card], self._memory[card], self._unknown[card]
+        for card in set(self._policies) - cards:
+            del self._policies[card], self._unknown[card]
             with contextlib.suppress(KeyError):
                 self.metrics.threshold.remove(str(card))
-        for card in sorted(cards - set(self._arbiters)):
-            self._arbiters[card] = SliceArbiter(settings.min_slice_s)
-            self._memory[card] = MemoryGuard(settings)
+        for card in sorted(cards - set(self._policies)):
+            self._policies[card] = CardPolicy(settings)
             self._unknown[card] = set()
         self.config = config
 
@@ -507,10 +522,8 @@ class ColocationGuard:
         if options == self.config.guard:
             return
         settings = options.settings()
-        for arbiter in self._arbiters.values():
-            arbiter.min_slice_s = settings.min_slice_s
-        for memory in self._memory.values():
-            memory.settings = settings
+        for policy in self._policies.values():
+            policy.retune(settings)
         old = self.config.guard
         changed = {name: getattr(options, name) for name in type(options).model_fields
                    if getattr(options, name) != getattr(old, name)}
@@ -521,9 +534,9 @@ class ColocationGuard:
         """Stop guarding an offline container; a suspended one is continued first (its pod is ending, and a
         stopped process would handle the kubelet's SIGTERM only when SIGKILL ends it)."""
         spec = tracked.spec
-        if tracked.state is OfflineState.SUSPENDED:
+        if tracked.state in _STOPPED:
             self._refresh(tracked)
-            self._apply(tracked, OfflineEvent.ONLINE_IDLE, now, "no longer guarded (its pod is ending)")
+            self._release(tracked, now, "no longer guarded (its pod is ending)")
         del self._offline[spec.name]
         with contextlib.suppress(KeyError):
             self.metrics.suspended.remove(str(spec.card), spec.name)
@@ -550,7 +563,7 @@ class ColocationGuard:
         if cgroup is None:
             return None
         return next((t for t in self._offline.values() if t is not tracked and t.spec.cgroup == cgroup
-                     and t.state is OfflineState.SUSPENDED), None)
+                     and t.state in _STOPPED), None)
 
     # -- processes --------------------------------------------------------------------------------------
 
@@ -576,7 +589,7 @@ class ColocationGuard:
             tracked.starts = {pid: tracked.starts[pid] for pid in live}
             self._dirty = True
         tracked.pids = tuple(live)
-        if joined and tracked.state is OfflineState.SUSPENDED:
+        if joined and tracked.state in _STOPPED:
             self._signal_pids(tracked.spec, joined, signal.SIGSTOP)
         elif joined and tracked.state is OfflineState.EVICTING:
             self._signal_pids(tracked.spec, joined, signal.SIGTERM)
@@ -673,7 +686,7 @@ class ColocationGuard:
         if record is None or record.card != spec.card:
             return _Offline(spec, OfflineState.RUNNING, since=self.clock(), first_seen=self.clock())
         self.metrics.suspended.labels(card=str(spec.card), container=spec.name).set(
-            1 if record.state is OfflineState.SUSPENDED else 0)
+            1 if record.state in _STOPPED else 0)
         return _Offline(spec, record.state, since=record.since, first_seen=record.first_seen,
                         starts={p.pid: p.start_ticks for p in record.pids})
 
