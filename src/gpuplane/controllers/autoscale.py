@@ -16,16 +16,28 @@ Pure and clock-injected: the simulator (`gpuplane.sim.autoscale`) and the GPU sc
   what KEDA's fallback feeds the HPA) is reported. The object stays active unless its activation query
   (which sees demand without the service's own pods) says it is idle. Only a non-production object is
   ever reported inactive, and only after `idle_cooldown_s` without activity.
+- `ScaledObjectScaler` is the GPU scaler's whole decision path for one scaled object: read the query (at
+  most once per `min_query_interval_s`), its demand query where it has one (`ValuePerRequest`: a
+  saturated GPU cannot show demand beyond its capacity, the arrival rate can) and, for a non-production
+  object, its activation query; feed the policy, and forecast the HPA. `gpuplane.scaler.service` serves it
+  over gRPC from Prometheus; the autoscaling scenario drives the same object from a simulated Prometheus.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gpuplane.model import GpuplaneError
+
+log = logging.getLogger(__name__)
 
 
 class PolicyKind(enum.Enum):
@@ -79,6 +91,11 @@ class HpaSpec(BaseModel):
             raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
         return self
 
+    @functools.cached_property
+    def longest_period_s(self) -> float:
+        """The longest scaling-policy period: scale events older than it no longer limit anything."""
+        return max((p.period_s for r in (self.scale_up, self.scale_down) for p in r.policies), default=0.0)
+
 
 _MAX_REPLICAS = 2**31 - 1
 """Kubernetes counts replicas in an int32."""
@@ -128,14 +145,13 @@ class Hpa:
         longest = max(spec.scale_up.stabilization_window_s, spec.scale_down.stabilization_window_s)
         while self.recommendations and self.recommendations[0][0] < now - longest:
             self.recommendations.popleft()
-        up, down = desired, desired
-        for at, value in self.recommendations:
-            if at > now - spec.scale_up.stabilization_window_s:
-                up = min(up, value)
-            if at > now - spec.scale_down.stabilization_window_s:
-                down = max(down, value)
+        up_from = now - spec.scale_up.stabilization_window_s
+        down_from = now - spec.scale_down.stabilization_window_s
+        up = min((value for at, value in self.recommendations if at > up_from), default=desired)
+        down = max((value for at, value in self.recommendations if at > down_from), default=desired)
+        up, down = min(up, desired), max(down, desired)
         stabilized = min(max(current, up), down)
-        longest_period = max((p.period_s for r in (spec.scale_up, spec.scale_down) for p in r.policies), default=0)
+        longest_period = spec.longest_period_s
         while self.events and self.events[0][0] < now - longest_period:
             self.events.popleft()
         # kube never lets a rate limit move the count the other way: an up limit below the current count
@@ -220,6 +236,13 @@ class ScaledObjectSpec(BaseModel):
     activation_query: str | None = Field(default=None, min_length=1, description=(
         "PromQL that sees demand while no replica runs (e.g. the gateway's request rate); without it the "
         "GPU metric decides activity, and a service at zero replicas has no GPU metric to wake it"))
+    demand_query: str | None = Field(default=None, min_length=1, description=(
+        "PromQL for the requests arriving at the service (e.g. the gateway's request rate): it does not "
+        "saturate as a busy GPU does, so the value reported is the larger of the query's and this rate times "
+        "the query's value per request, learnt from the readings"))
+    demand_halflife_s: float = Field(default=1800.0, gt=0, description=(
+        "half-life of the learnt value per request: long against a flash crowd (whose saturated readings "
+        "read low), short against a drifting request mix"))
     production: bool = True
     """Production services are never reported inactive (never scaled to zero)."""
     idle_cooldown_s: float = Field(default=300.0, ge=0)
@@ -242,6 +265,34 @@ class ScaledObjectSpec(BaseModel):
 
     def hpa(self) -> HpaSpec:
         return HpaSpec(min_replicas=max(self.min_replicas, 1), max_replicas=self.max_replicas)
+
+
+@dataclass(slots=True)
+class ValuePerRequest:
+    """The GPU metric's value per request per second, learnt from readings of both (an exponential mean over
+    time with `halflife_s`). A saturated GPU reads less than its demand, and the arrival rate does not
+    saturate: `estimate` is the larger of the reading and rate × the learnt ratio, so a flash crowd (or a
+    service waking from zero) is seen at its size, not at the capacity it has now."""
+
+    halflife_s: float
+    ratio: float | None = None
+    learnt_at: float | None = None
+
+    def learn(self, now: float, value: float, rate: float) -> None:
+        if not (value > 0 and rate > 0 and math.isfinite(value / rate)):
+            return
+        sample = value / rate
+        if self.ratio is None or self.learnt_at is None:
+            self.ratio = sample
+        else:
+            keep = 0.5 ** (max(now - self.learnt_at, 0.0) / self.halflife_s)
+            self.ratio = keep * self.ratio + (1.0 - keep) * sample
+        self.learnt_at = now
+
+    def estimate(self, value: float, rate: float | None) -> float:
+        if self.ratio is None or rate is None or not math.isfinite(rate) or rate <= 0:
+            return value
+        return max(value, rate * self.ratio)
 
 
 class ReadingSource(enum.Enum):
@@ -299,3 +350,92 @@ class ScalerPolicy:
         if self.spec.production:
             return True
         return self.last_active is not None and now - self.last_active <= self.spec.idle_cooldown_s
+
+
+class MetricSource(Protocol):
+    """Where the scaler reads its queries (Prometheus, through `gpuplane.scaler.prometheus.PrometheusClient`):
+    one number, or an exception saying why not."""
+
+    def query(self, query: str, *, timeout_s: float | None = None) -> float: ...
+
+
+def read_metric(source: MetricSource, query: str, timeout_s: float, key: str) -> tuple[float | None, str | None]:
+    """The query's value, or None and why not: a failing source never raises out of the scaler."""
+    try:
+        return source.query(query, timeout_s=timeout_s), None
+    except GpuplaneError as exc:
+        return None, str(exc)
+    except Exception as exc:  # a broken source must not take the scaler down
+        log.exception("%s: the metric source failed unexpectedly", key)
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """One poll of a scaled object: its report, whether it was read now (not reused), the report before
+    it, and the activation and demand queries' failures where they failed."""
+
+    report: ScalerReport
+    fresh: bool
+    previous: ScalerReport | None
+    activation_error: str | None = None
+    demand_error: str | None = None
+
+
+class ScaledObjectScaler:
+    """The GPU scaler's decision path for one scaled object, clock and metric source given by the caller."""
+
+    def __init__(self, spec: ScaledObjectSpec, min_query_interval_s: float = 1.0) -> None:
+        self.spec = spec
+        self.min_query_interval_s = min_query_interval_s
+        self.policy = ScalerPolicy(spec)
+        self.per_request = ValuePerRequest(spec.demand_halflife_s)
+        self.hpa = Hpa(spec.hpa())
+        self.replicas = 0
+        """The HPA algorithm's last desired count for the reported value (0: inactive, or not polled yet)."""
+        self.report: ScalerReport | None = None
+        self.read_at: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.namespace}/{self.spec.name}"
+
+    def poll(self, now: float, source: MetricSource) -> Poll:
+        """The report now: a fresh reading, or the one taken less than `min_query_interval_s` ago."""
+        if (self.report is not None and self.read_at is not None
+                and 0 <= now - self.read_at < self.min_query_interval_s):
+            return Poll(self.report, False, self.report)
+        spec = self.spec
+        value, error = read_metric(source, spec.query, spec.query_timeout_s, self.key)
+        demand_error: str | None = None
+        if value is not None and spec.demand_query is not None:
+            rate, demand_error = read_metric(source, spec.demand_query, spec.query_timeout_s, self.key)
+            estimate = self.per_request.estimate(value, rate)  # a failed rate leaves the GPU value alone
+            if rate is not None:
+                self.per_request.learn(now, value, rate)
+            value = estimate
+        activity: float | None = None
+        activation_error: str | None = None
+        if spec.activation_query is not None and not spec.production:
+            # read even while the GPU query fails: at zero replicas there are no GPU series, and the
+            # gateway's count is the evidence of idleness (or of demand) that remains
+            activity, activation_error = read_metric(source, spec.activation_query, spec.query_timeout_s, self.key)
+            if activity is None:  # unknown demand is not "no demand": read as activity, never as idle
+                activity = math.inf
+                activation_error = activation_error or "no value"
+        report = self.policy.observe(now, value, error, activity=activity)
+        self.replicas = self._forecast(now, report)
+        previous, self.report, self.read_at = self.report, report, now
+        return Poll(report, True, previous, activation_error, demand_error)
+
+    def _forecast(self, now: float, report: ScalerReport) -> int:
+        """What the HPA algorithm does with the value, tracking its own last answer as the current count."""
+        if not report.active:
+            return 0
+        hpa = self.hpa.spec
+        current = self.replicas if self.replicas > 0 else hpa.min_replicas
+        if math.isfinite(report.value / self.spec.target):
+            wanted = average_value_replicas(report.value, self.spec.target, current, hpa.tolerance)
+        else:  # a finite value so large that value / target overflows: as many as allowed
+            wanted = hpa.max_replicas
+        return self.hpa.step(now, current, wanted)

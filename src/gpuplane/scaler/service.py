@@ -5,15 +5,17 @@ KEDA calls `GetMetricSpec` once per ScaledObject, then `GetMetrics` and `IsActiv
 configured scaled object (keyed by the ScaledObjectRef's namespace and name) the scaler
 
 - runs the object's PromQL query (at most once per `min_query_interval_s`: the `GetMetrics` + `IsActive`
-  pair of one poll costs one query) and feeds the reading, or the failure, to the object's `ScalerPolicy`
-  (`gpuplane.controllers.autoscale`): a failed reading (Prometheus down, invalid PromQL, an empty result
-  from a dead exporter) is never read as zero: the last good value is reported for `failure_threshold`
+  pair of one poll costs one query) and feeds the reading, or the failure, to the object's
+  `ScaledObjectScaler` (`gpuplane.controllers.autoscale`, the decision path the autoscaling scenario
+  drives): a failed reading (Prometheus down, invalid PromQL, an empty result from a dead exporter) is
+  never read as zero: the last good value is reported for `failure_threshold`
   readings, then the fallback `target × fallback_replicas`, and the object stays active;
 - reports the value in both `metricValue` (int64, rounded) and `metricValueFloat` (KEDA reads the float
   only when it is > 0), and the activity (production objects are always active; a non-production one
   turns inactive after `idle_cooldown_s` without a value above its activation threshold: the value of its
   `activation_query` where it has one, e.g. a gateway's request rate, which sees demand while no replica
-  runs; a failed activation query reads as activity, never as idleness);
+  runs, and is read even while the GPU query fails; a failed activation query reads as activity, never as
+  idleness);
 - computes what the HPA would do with that value (`Hpa` with `average_value_replicas`, tracking its own last
   desired count as the current one; 0 while inactive) and exports it with the value, the activity and the
   error and fallback counts as Prometheus metrics on a per-scaler registry.
@@ -33,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIServer
 
@@ -42,12 +44,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuplane.controllers.autoscale import (
-    Hpa,
+    MetricSource,
+    Poll,
     ReadingSource,
+    ScaledObjectScaler,
     ScaledObjectSpec,
-    ScalerPolicy,
     ScalerReport,
-    average_value_replicas,
 )
 from gpuplane.model import GpuplaneError
 from gpuplane.model.yamlfile import load_yaml_model
@@ -160,12 +162,6 @@ def _int64(value: float) -> int:
 # -- the scaler --------------------------------------------------------------------------------------------
 
 
-class MetricSource(Protocol):
-    """What the scaler needs of Prometheus (`PrometheusClient`): one number, or an exception."""
-
-    def query(self, query: str, *, timeout_s: float | None = None) -> float: ...
-
-
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ("namespace", "name")
@@ -188,12 +184,8 @@ class _Metrics:
 @dataclass(slots=True)
 class _Object:
     spec: ScaledObjectConfig
-    policy: ScalerPolicy
-    hpa: Hpa
-    replicas: int = 0
-    """The HPA algorithm's last desired count (0: inactive, or not polled yet)."""
-    report: ScalerReport | None = None
-    read_at: float | None = None
+    scaler: ScaledObjectScaler
+    """The decision path (`gpuplane.controllers.autoscale`): readings, the policy, the HPA forecast."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -212,7 +204,7 @@ class GpuScaler:
         self.clock = clock
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
-        self._objects = {spec.key: _Object(spec, ScalerPolicy(spec), Hpa(spec.hpa()))
+        self._objects = {spec.key: _Object(spec, ScaledObjectScaler(spec, config.min_query_interval_s))
                          for spec in config.scaled_objects}
         for spec in config.scaled_objects:
             self.metrics.errors.labels(spec.namespace, spec.name)
@@ -240,37 +232,14 @@ class GpuScaler:
         ago. Never raises for a failed reading; raises `UnknownScaledObject` for an unknown object."""
         obj = self._object(namespace, name)
         with obj.lock:
-            now = self.clock()
-            if (obj.report is not None and obj.read_at is not None
-                    and 0 <= now - obj.read_at < self.config.min_query_interval_s):
-                return obj.report
-            spec = obj.spec
-            value, error = self._read(spec, spec.query)
-            activity: float | None = None
-            if value is not None and spec.activation_query is not None and not spec.production:
-                activity, failure = self._read(spec, spec.activation_query)
-                if activity is None:  # unknown demand is not "no demand": read as activity, never as idle
-                    activity = math.inf
-                    self.metrics.errors.labels(spec.namespace, spec.name).inc()
-                    log.warning("%s: activation query failed (%s); treated as activity", spec.key, failure)
-            report = obj.policy.observe(now, value, error, activity=activity)
-            self._record(obj, now, report)
-            obj.report, obj.read_at = report, now
-            return report
-
-    def _read(self, spec: ScaledObjectConfig, query: str) -> tuple[float | None, str | None]:
-        """The query's value, or None and why not."""
-        try:
-            return self.source.query(query, timeout_s=spec.query_timeout_s), None
-        except GpuplaneError as exc:
-            return None, str(exc)
-        except Exception as exc:  # a broken source must not take the scaler down
-            log.exception("%s: the metric source failed unexpectedly", spec.key)
-            return None, f"{type(exc).__name__}: {exc}"
+            poll = obj.scaler.poll(self.clock(), self.source)
+            if poll.fresh:
+                self._record(obj, poll)
+            return poll.report
 
     def desired_replicas(self, namespace: str, name: str) -> int:
         """What the HPA algorithm wanted at the last reading (0: inactive or not polled yet)."""
-        return self._object(namespace, name).replicas
+        return self._object(namespace, name).scaler.replicas
 
     def _object(self, namespace: str, name: str) -> _Object:
         key = f"{namespace or 'default'}/{name}"
@@ -279,30 +248,25 @@ class GpuScaler:
             raise UnknownScaledObject(f"no scaled object {key} is configured; known: {', '.join(self._objects)}")
         return obj
 
-    def _record(self, obj: _Object, now: float, report: ScalerReport) -> None:
-        spec = obj.spec
+    def _record(self, obj: _Object, poll: Poll) -> None:
+        spec, report = obj.spec, poll.report
         labels = (spec.namespace, spec.name)
+        if poll.activation_error is not None:
+            self.metrics.errors.labels(*labels).inc()
+            log.warning("%s: activation query failed (%s); treated as activity", spec.key, poll.activation_error)
+        if poll.demand_error is not None:
+            self.metrics.errors.labels(*labels).inc()
+            log.warning("%s: demand query failed (%s); reporting the GPU value alone", spec.key, poll.demand_error)
         if report.error is not None:
             self.metrics.errors.labels(*labels).inc()
             log.warning("%s: reading failed (%s); reporting the %s value %g", spec.key, report.error,
                         report.source.value, report.value)
         if report.source is ReadingSource.FALLBACK:
             self.metrics.fallback.labels(*labels).inc()
-        previous = obj.report
-        if previous is None or previous.active != report.active:
+        if poll.previous is None or poll.previous.active != report.active:
             log.info("%s: %s (value %g, %s)", spec.key, "active" if report.active else "inactive", report.value,
                      report.source.value)
-        if report.active:
-            hpa = obj.hpa.spec
-            current = obj.replicas if obj.replicas > 0 else hpa.min_replicas
-            if math.isfinite(report.value / spec.target):
-                wanted = average_value_replicas(report.value, spec.target, current, hpa.tolerance)
-            else:  # a finite value so large that value / target overflows: as many as allowed
-                wanted = hpa.max_replicas
-            obj.replicas = obj.hpa.step(now, current, wanted)
-        else:
-            obj.replicas = 0
-        self.metrics.desired.labels(*labels).set(obj.replicas)
+        self.metrics.desired.labels(*labels).set(obj.scaler.replicas)
         self.metrics.value.labels(*labels).set(report.value)
         self.metrics.active.labels(*labels).set(1 if report.active else 0)
 
