@@ -19,13 +19,15 @@ until the node is repaired. Software failures and NCCL timeouts of unknown cause
   Young's interval for its save cost and the fleet's rate: its best fixed setting.
 - **Platform (gpuplane).** The controller sees the failed pods (`detect_s`), gathers every node's logs and
   classifies them (`diagnosis_s`), isolates what the verdict blames (quarantine, taint), attributes
-  blamed-but-not-isolated failures in the health book, and resubmits the gang; the production scheduler
-  places it on healthy nodes (spares first free). The save interval comes from the controller's planner
-  (measured save cost, observed failure rate). Nodes join after a pre-flight check that catches a share of
-  the lemons (`preflight_catch`); quarantined nodes go through repair and probation and come back only if
-  the book does not find them lemons. When the pool runs short, a replacement node arrives after
-  `replace_s`. An attempt that fails twice on the same broken node, and a do-not-retry verdict, go to a
-  person (`manual_s`).
+  blamed-but-not-isolated failures in the health book, holds a hang's suspect out until its stop-time check
+  (`stop_check_s`, finding a broken node with `stop_check_catch`), and resubmits the gang; the production
+  scheduler places it on healthy nodes (free spares included). The save interval comes from the
+  controller's planner (measured save cost, observed failure rate). Nodes join after a pre-flight check that
+  catches a share of the lemons (`preflight_catch`); quarantined nodes go through repair and probation and
+  come back only if the book does not find them lemons. Replacement nodes (`replace_s`) are ordered as soon
+  as the untainted pool is below the job plus `spare_nodes` (the baseline's people order one only when the
+  job cannot start). An attempt that fails twice on the same broken node, and a do-not-retry verdict, go to
+  a person (`manual_s`).
 
 The classifier reads realistic streams (`gpuplane.sim.fault_streams`): noise, near misses, tolerated
 events, cascades, clock skew, silent nodes. Its accuracy is measured on `accuracy_incidents` incidents
