@@ -1,687 +1,686 @@
-"""The co-location scenario: online inference and hungry offline work on one shared card, under five
-arbitration policies, replayed request by request over a day.
+"""The co-location scenario: online inference and hungry offline work on shared cards, replayed request by
+request, with the node guard's own policy deciding every pass.
 
 World, per card (`cards` independent cards, each with its own seed):
-- Online requests arrive with a diurnal rate, rate(t) ∝ 1 + a·cos(2π(t − peak)/24 h) with a = (R − 1)/(R + 1)
-  for a peak/trough ratio R, scaled so that online keeps the card busy `online_peak_util` of the time at the
-  peak, plus a few flash crowds (×`burst_factor` for `burst_minutes`). Inter-arrival times are Gamma with
-  coefficient of variation `arrival_cv` (burstier than Poisson), mapped through the cumulative rate. Each
-  request needs a Gamma-distributed GPU time (mean `online_service_ms`) and is served first come, first
-  served. Online memory = `online_base_gib` + `online_request_gib` per request in flight.
-- Offline work is a backlog that never runs dry: a job is admitted when its footprint fits (uniform in
-  [`offline_min_gib`, `offline_max_gib`], the largest the card can take when less); it runs continuous
-  kernels for an exponential amount of GPU work (mean `offline_job_minutes`), checkpointing every
-  `offline_checkpoint_minutes`; an evicted job loses the work since its checkpoint. A suspended job keeps
-  its memory. With `offline_gpu_hours_per_day` set, jobs arrive instead (Poisson, footprints drawn on
-  arrival) and wait in a queue; the first waiting job that fits is admitted, and an evicted job goes back
-  to the head of the queue with the work it lost to do again.
+- Online requests arrive at the kit's load (`LoadModel`: diurnal, noise, flash crowds) scaled so that online
+  keeps the card busy `online_peak_util` of the time at the noise-free peak. Inter-arrival times are Gamma
+  with coefficient of variation `arrival_cv` (burstier than Poisson) through the cumulative rate; each
+  request needs Gamma GPU time (mean `online_service_ms`), first come first served. Online memory is
+  `online_base_gib` plus `online_request_gib` per request in flight; a request that finds no memory left
+  fails (an online out-of-memory event).
+- Offline work never runs dry: up to `offline_slots` offline containers per card, each a `CheckpointingJob`
+  (the kit's save model) with a footprint uniform in [`offline_min_gib`, `offline_max_gib`] that it
+  allocates when it first runs. An eviction books lost work in the kit's `WorkLedger`; an evicted job goes
+  back to the head of the backlog and restarts from its last save.
+- While online and offline kernels run together, online runs `share_online_slowdown` times slower and
+  offline at `share_offline_rate` of its speed (MPS-style concurrency: the best plain sharing does).
 
-Policies:
-- `exclusive`: online alone (the baseline).
-- `time-slice`: round-robin slices of `timeslice_ms`: a request that finds online idle waits for the
-  running offline slice to end, and while both have work each gets half the card.
-- `mps`: concurrent sharing: online kernels run `mps_online_slowdown` times slower while offline is
-  resident; offline runs at `mps_offline_rate_busy` of its speed while online is busy.
-- `priority`: online demand suspends offline at once (the offline kernels in flight drain: up to
-  `suspend_latency_ms`); offline resumes after online has been idle `min_slice_ms`, paying
-  `resume_overhead_ms`. This is `gpuplane.controllers.colocation.SliceArbiter`.
-- `priority+memory-guard`: plus the node guard's memory line (`MemoryGuard`), sampled every
-  `guard_period_ms`: offline is evicted when free memory falls below it, and its memory is free
-  `eviction_ms` later.
-
-Without the guard nothing stops online from running out of memory: a request that finds online's memory
-plus offline's above the card fails (an online out-of-memory event). Offline admission is checked at every
-guard period for every policy.
+Arms (every sharing arm admits offline work by the same rule, `admission`, or none does):
+- `exclusive`: online alone.
+- `shared`: plain sharing, no guard: offline runs whenever it is admitted; nothing suspends or evicts it.
+- `guard` (ours): the node guard. Every `poll_s` it reads the card (online demand = online busy more than
+  `online_sm_threshold_pct` of the last poll) and takes its decisions from `CardPolicy.decide`, the code
+  `gpuplane.node.guard` runs: the slice arbiter (`min_slice_s`), the transition table, the memory guard's
+  safety line with `pick_eviction`, and admission. A suspension (SIGSTOP) lands once the offline kernels
+  already queued drain (uniform up to `offline_drain_ms`); a resume (SIGCONT) after `resume_ms`.
+- `kernel-gate`: a kernel-launch gate (HAMi-core's task priority, REEF- or Orion-style interception): the
+  same `CardPolicy`, but its slice arbiter sees every online launch and idle moment, with
+  `kernel_gate_detect_ms` until offline launches are blocked and `kernel_gate_slice_ms` of idle before they
+  go on; the in-flight offline kernel drains (up to `kernel_gate_drain_ms`). Memory is guarded by the node
+  guard's passes, as in `guard`.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from gpuplane.controllers.colocation import GIB, GuardSettings, MemoryGuard, OfflineEvent, SliceArbiter
-from gpuplane.model import (
-    MILLI_PER_CARD,
-    ClusterState,
-    Fraction,
-    GpuplaneError,
-    NodeSpec,
-    PodRequest,
-    QoS,
-    default_catalog,
+from gpuplane.controllers.colocation import (
+    GIB,
+    GUARD_REACTION,
+    CardPolicy,
+    GuardSettings,
+    OfflineAction,
+    OfflineEvent,
+    OfflineState,
+    OfflineView,
+    offline_transition,
 )
-from gpuplane.model.tidal import DAY_S, diurnal
-from gpuplane.scheduler import PolicyConfig, default_registry
-from gpuplane.scheduler.framework import Framework
+from gpuplane.sim.scenario import (
+    DAY_S,
+    CheckpointingJob,
+    Figures,
+    Goal,
+    Headline,
+    LoadModel,
+    Progress,
+    SaveModel,
+    ScenarioSettings,
+    Table,
+    WorkLedger,
+    figure,
+    sample_load,
+    series,
+)
 
 FloatArray = npt.NDArray[np.float64]
-Progress = Callable[[int, int], None]
+_GUARD = GUARD_REACTION
+_POLICY = GuardSettings()
+
+EXCLUSIVE, SHARED, GUARD, KERNEL = "exclusive", "shared", "guard", "kernel-gate"
+ARMS = (EXCLUSIVE, SHARED, GUARD, KERNEL)
+SHARING = (SHARED, GUARD, KERNEL)
 
 
-class ColocationPolicy(enum.Enum):
-    EXCLUSIVE = "exclusive"
-    TIME_SLICE = "time-slice"
-    MPS = "mps"
-    PRIORITY = "priority"
-    PRIORITY_MEMORY_GUARD = "priority+memory-guard"
+class ColocationSettings(ScenarioSettings):
+    """Every parameter of the co-location scenario. The guard's reaction and thresholds default to
+    `gpuplane.node.guard`'s own (`GuardOptions`, `GuardSettings`)."""
 
-    @property
-    def shares(self) -> bool:
-        return self is not ColocationPolicy.EXCLUSIVE
-
-    @property
-    def preempts(self) -> bool:
-        return self in (ColocationPolicy.PRIORITY, ColocationPolicy.PRIORITY_MEMORY_GUARD)
-
-
-ALL_POLICIES = tuple(ColocationPolicy)
-
-
-class ColocationScenario(BaseModel):
-    """Every parameter of the co-location scenario; defaults are the issue's values. Loadable from YAML."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    days: float = Field(default=1.0, gt=0, le=14)
+    hours: float = Field(default=2.0, gt=0, le=14 * 24, description="simulated hours per card")
+    start_hour: float = Field(default=20.0, ge=0, lt=24, description="time of day the run starts (the evening "
+                              "peak by default: the least idle time, the most requests to disturb)")
     cards: int = Field(default=1, ge=1, le=64, description="independent shared cards, one seed each")
-    seed: int = Field(default=1, ge=0)
-    policies: tuple[ColocationPolicy, ...] = ALL_POLICIES
     card_memory_gib: float = Field(default=80.0, gt=0)
-    bucket_minutes: float = Field(default=10.0, gt=0, description="resolution of the utilisation curves")
+    bucket_minutes: float = Field(default=10.0, gt=0, description="resolution of the utilisation series")
     # online
     online_service_ms: float = Field(default=20.0, gt=0)
     online_service_cv: float = Field(default=0.5, ge=0)
-    online_peak_util: float = Field(default=0.45, gt=0, lt=1, description="card busy share of online at the peak")
+    online_peak_util: float = Field(default=0.45, gt=0, lt=1, description="online's busy share at the peak")
+    arrival_cv: float = Field(default=1.5, gt=0, description="inter-arrival coefficient of variation")
     peak_trough_ratio: float = Field(default=2.5, ge=1)
     peak_hour: float = Field(default=21.0, ge=0, lt=24)
-    arrival_cv: float = Field(default=1.5, gt=0, description="inter-arrival coefficient of variation")
+    noise_cv: float = Field(default=0.05, ge=0, le=2)
     bursts_per_day: float = Field(default=4.0, ge=0)
     burst_factor: float = Field(default=1.6, ge=1)
     burst_minutes: float = Field(default=10.0, gt=0)
     online_base_gib: float = Field(default=20.0, ge=0)
     online_request_gib: float = Field(default=0.5, ge=0)
     # offline
-    offline_min_gib: float = Field(default=20.0, gt=0)
-    offline_max_gib: float = Field(default=56.0, gt=0)
-    offline_job_minutes: float = Field(default=30.0, gt=0)
-    offline_checkpoint_minutes: float = Field(default=10.0, gt=0)
-    offline_restart_s: float = Field(default=30.0, ge=0, description="delay before a new job after an eviction")
-    offline_gpu_hours_per_day: float = Field(
-        default=0.0, ge=0, description="offline work submitted per card and day (GPU-hours at solo speed, Poisson "
-                                       "arrivals); 0: a backlog that never runs dry")
-    # policies
-    timeslice_ms: float = Field(default=2.0, gt=0)
-    mps_online_slowdown: float = Field(default=1.3, ge=1)
-    mps_offline_rate_busy: float = Field(default=0.5, ge=0, le=1)
-    suspend_latency_ms: float = Field(default=1.0, ge=0)
-    min_slice_ms: float = Field(default=5.0, ge=0)
-    resume_overhead_ms: float = Field(default=0.5, ge=0)
-    guard_period_ms: float = Field(default=100.0, gt=0)
-    eviction_ms: float = Field(default=500.0, ge=0)
-    safety_margin_gib: float = Field(default=2.0, ge=0)
-    growth_factor: float = Field(default=1.5, ge=0)
-    min_growth_gib: float = Field(default=2.0, ge=0)
-    admit_hysteresis_gib: float = Field(default=2.0, ge=0)
-    growth_window_minutes: float = Field(default=60.0, gt=0)
-    admit_window_minutes: float = Field(default=10.0, ge=0)
-    # placement: offline pods onto a cluster already holding online pods, binpack against colocation
-    placement_nodes: int = Field(default=16, ge=1, le=2000)
-    placement_gpu_model: str = "H100-80GB"
-    placement_gpus_per_node: int = Field(default=8, ge=1, le=16)
-    placement_online_pods_per_card: float = Field(default=1.0, ge=0)
-    placement_offline_pods_per_card: float = Field(default=1.0, gt=0)
-    # goals (for the verdict in the report)
-    goal_p99_over_exclusive_pct: float = Field(default=5.0, ge=0)
-    goal_offline_share_of_idle_pct: float = Field(
-        default=60.0, ge=0, le=100, description="of the idle time, or of the offline work offered when that is less")
+    offline_slots: int = Field(default=2, ge=1, le=8, description="offline containers a card holds at most")
+    offline_min_gib: float = Field(default=10.0, gt=0)
+    offline_max_gib: float = Field(default=28.0, gt=0)
+    offline_job_minutes: float = Field(default=30.0, gt=0, description="mean GPU work of a job (exponential)")
+    offline_save_every_minutes: float = Field(default=10.0, gt=0)
+    offline_save_s: float = Field(default=10.0, ge=0)
+    offline_start_s: float = Field(default=2.0, ge=0, description="from placement to its first kernels")
+    offline_restart_s: float = Field(default=30.0, ge=0, description="before the next placement after an eviction")
+    offline_exit_s: float = Field(default=0.5, ge=0, description="from a process's exit to its memory freed")
+    share_online_slowdown: float = Field(default=1.3, ge=1)
+    share_offline_rate: float = Field(default=0.5, ge=0, le=1)
+    # the node guard (process-level gate)
+    poll_s: float = Field(default=_GUARD.poll_s, gt=0, description="the guard's pass period (node/guard.py)")
+    min_slice_s: float = Field(default=_GUARD.min_slice_s, ge=0, description="idle before the guard resumes")
+    online_sm_threshold_pct: float = Field(default=_GUARD.online_sm_threshold_pct, ge=0, le=100)
+    kill_grace_s: float = Field(default=_GUARD.kill_grace_s, ge=0)
+    offline_drain_ms: float = Field(default=10.0, ge=0, description="queued offline kernels finish after SIGSTOP")
+    resume_ms: float = Field(default=0.5, ge=0)
+    admission: bool = Field(default=True, description="every sharing arm admits offline work by the safety line")
+    evictions: bool = Field(default=True, description="the memory guard evicts (guard and kernel-gate arms)")
+    safety_margin_gib: float = Field(default=_POLICY.safety_margin_bytes / GIB, ge=0)
+    growth_factor: float = Field(default=_POLICY.growth_factor, ge=0)
+    min_growth_gib: float = Field(default=_POLICY.min_growth_bytes / GIB, ge=0)
+    reaction_horizon_s: float = Field(default=_POLICY.reaction_horizon_s, ge=0)
+    admit_hysteresis_gib: float = Field(default=_POLICY.admit_hysteresis_bytes / GIB, ge=0)
+    admit_window_s: float = Field(default=_POLICY.admit_window_s, ge=0)
+    admit_timeout_s: float = Field(default=_POLICY.admit_timeout_s, ge=0)
+    # the kernel-launch gate
+    kernel_gate_detect_ms: float = Field(default=0.0, ge=0, description="online launch to offline blocked")
+    kernel_gate_drain_ms: float = Field(default=1.0, ge=0)
+    kernel_gate_slice_ms: float = Field(default=5.0, ge=0)
 
     @model_validator(mode="after")
-    def _consistent(self) -> ColocationScenario:
+    def _consistent(self) -> ColocationSettings:
         if self.offline_min_gib > self.offline_max_gib:
             raise ValueError(f"offline_min_gib ({self.offline_min_gib}) is above offline_max_gib "
                              f"({self.offline_max_gib})")
         if self.online_base_gib >= self.card_memory_gib:
             raise ValueError(f"online_base_gib ({self.online_base_gib}) leaves no room on a "
                              f"{self.card_memory_gib} GiB card")
-        if not self.policies:
-            raise ValueError("policies: name at least one policy")
         return self
-
-    @field_validator("placement_gpu_model")
-    @classmethod
-    def _known_model(cls, value: str) -> str:
-        try:
-            return default_catalog().canonical(value)
-        except GpuplaneError as exc:
-            raise ValueError(str(exc)) from None
 
     def guard_settings(self) -> GuardSettings:
         return GuardSettings(
-            min_slice_s=self.min_slice_ms / 1000.0,
-            memory_guard=True,
-            safety_margin_bytes=int(self.safety_margin_gib * GIB),
-            growth_factor=self.growth_factor,
-            min_growth_bytes=int(self.min_growth_gib * GIB),
-            reaction_horizon_s=(self.guard_period_ms + self.eviction_ms) / 1000.0,
-            growth_window_s=self.growth_window_minutes * 60.0,
-            admit_hysteresis_bytes=int(self.admit_hysteresis_gib * GIB),
-            admit_window_s=self.admit_window_minutes * 60.0)
+            min_slice_s=self.min_slice_s, memory_guard=True, safety_margin_bytes=int(self.safety_margin_gib * GIB),
+            growth_factor=self.growth_factor, min_growth_bytes=int(self.min_growth_gib * GIB),
+            reaction_horizon_s=self.reaction_horizon_s, growth_window_s=_POLICY.growth_window_s,
+            admit_hysteresis_bytes=int(self.admit_hysteresis_gib * GIB), admit_window_s=self.admit_window_s,
+            admission=self.admission, admit_timeout_s=self.admit_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------- online load
-def rate_shape(s: ColocationScenario, t: FloatArray, bursts: FloatArray) -> FloatArray:
-    """Relative online rate (1 at the diurnal peak) at times `t` (s), with flash crowds starting at `bursts`."""
-    r = s.peak_trough_ratio
-    shape = diurnal(t, r, s.peak_hour) / (1.0 + (r - 1.0) / (r + 1.0))  # 1 at the peak
-    if len(bursts):
-        starts = np.searchsorted(bursts, t, side="right") - 1
-        inside = (starts >= 0) & (t < bursts[np.maximum(starts, 0)] + s.burst_minutes * 60.0)
-        shape = np.where(inside, shape * s.burst_factor, shape)
-    return shape
-
-
 @dataclass(frozen=True, slots=True)
 class OnlineLoad:
     arrivals: FloatArray
-    """Seconds, sorted."""
+    """Seconds from the run's start, sorted."""
     service: FloatArray
     """GPU seconds per request at full card."""
 
 
-def online_load(s: ColocationScenario, rng: np.random.Generator) -> OnlineLoad:
-    horizon = s.days * DAY_S
-    bursts = np.sort(rng.uniform(0.0, horizon, rng.poisson(s.bursts_per_day * s.days)))
-    grid = np.arange(0.0, horizon + 1.0, 1.0)
+def online_load(s: ColocationSettings, rng: np.random.Generator) -> OnlineLoad:
+    """Gamma inter-arrivals through the cumulative rate of the kit's load curve."""
+    start, horizon = s.start_hour * 3600.0, s.hours * 3600.0
+    model = LoadModel(peak_trough_ratio=s.peak_trough_ratio, peak_hour=s.peak_hour, noise_cv=s.noise_cv,
+                      bursts_per_day=s.bursts_per_day, burst_factor=s.burst_factor, burst_minutes=s.burst_minutes)
+    day_shape = model.shape(np.arange(0.0, DAY_S, 60.0))
     peak_rate = s.online_peak_util / (s.online_service_ms / 1000.0)
-    rate = peak_rate * rate_shape(s, grid, bursts)
-    cumulative = np.concatenate(([0.0], np.cumsum((rate[1:] + rate[:-1]) / 2.0)))
-    shape_k = 1.0 / (s.arrival_cv ** 2)
+    mean = peak_rate * float(day_shape.mean() / day_shape.max())
+    curve = sample_load(model, days=(start + horizon) / DAY_S, mean=mean, rng=rng, step_s=1.0)
+    first = int(start)
+    rate = curve.value[first:first + math.ceil(horizon) + 1]
+    grid = np.arange(len(rate), dtype=np.float64)
+    cumulative = np.concatenate(([0.0], np.cumsum(rate[:-1])))
+    k = 1.0 / (s.arrival_cv ** 2)
     expected = int(cumulative[-1] * 1.05 + 10.0 * math.sqrt(cumulative[-1] + 1.0) + 10)
-    steps = rng.gamma(shape_k, 1.0 / shape_k, expected)
-    operational = np.cumsum(steps)
+    operational = np.cumsum(rng.gamma(k, 1.0 / k, expected))
     operational = operational[operational < cumulative[-1]]
     arrivals = np.interp(operational, cumulative, grid)
-    mean = s.online_service_ms / 1000.0
+    arrivals = arrivals[arrivals < horizon]
+    service_s = s.online_service_ms / 1000.0
     if s.online_service_cv > 0:
-        k = 1.0 / (s.online_service_cv ** 2)
-        service = rng.gamma(k, mean / k, len(arrivals))
+        kk = 1.0 / (s.online_service_cv ** 2)
+        service = rng.gamma(kk, service_s / kk, len(arrivals))
     else:
-        service = np.full(len(arrivals), mean)
+        service = np.full(len(arrivals), service_s)
     return OnlineLoad(arrivals, service)
 
 
 def exclusive_departures(arrivals: FloatArray, service: FloatArray) -> FloatArray:
-    """Departure times of a first-come-first-served server with no one else on the card, in closed form:
+    """Departures of a first-come-first-served server alone on the card, in closed form:
     D_n = max(A_n, D_{n-1}) + S_n = C_n + max_{k<=n}(A_k - C_{k-1}), with C the running sum of S."""
     done = np.cumsum(service)
     before = np.concatenate(([0.0], done[:-1]))
     return np.asarray(done + np.maximum.accumulate(arrivals - before))
 
 
-def memory_room_pct(s: ColocationScenario, load: OnlineLoad, step_s: float = 1.0) -> float:
-    """Share of the time online alone leaves room for the smallest offline job: the most any policy that
-    does not oversubscribe memory can give offline work."""
-    departures = exclusive_departures(load.arrivals, load.service)
-    t = np.arange(0.0, s.days * DAY_S, step_s)
-    in_flight = np.searchsorted(load.arrivals, t, side="right") - np.searchsorted(departures, t, side="right")
-    online = s.online_base_gib + s.online_request_gib * in_flight
-    return float(np.mean(s.card_memory_gib - online >= s.offline_min_gib) * 100.0)
-
-
 # ---------------------------------------------------------------------------------------------- one card
 @dataclass(slots=True)
 class OfflineJob:
+    """One offline container on the card."""
+
+    name: str
     footprint: int
-    work_left: float
-    since_checkpoint: float = 0.0
+    job: CheckpointingJob
+    placed_at: float
+    state: OfflineState = OfflineState.RUNNING
+    since: float = 0.0
+    starting: bool = True
+    clock: float = 0.0
+    """GPU seconds of work it has received since its (re)start: the checkpointing job's own clock."""
+    finish_clock: float = math.inf
+    run_from: float = math.inf
+    """Its kernels run from here (inf: stopped)."""
+    stop_at: float = math.inf
+    """... until here (a suspension's drain)."""
+    allocated_at: float = math.inf
+    gone_at: float = math.inf
+    """Its processes are gone and its memory free from here (an eviction's exit)."""
+
+    def executing(self, t: float) -> bool:
+        return self.run_from <= t < self.stop_at
+
+    def run_at(self, t: float) -> None:
+        self.run_from = t
+        if self.allocated_at == math.inf:
+            self.allocated_at = t  # it allocates its footprint as it first runs
+
+    def holds(self, t: float) -> int:
+        return self.footprint if self.allocated_at <= t < self.gone_at else 0
 
 
 @dataclass(slots=True)
 class CardRun:
-    """What one policy did on one card."""
+    """What one arm did on one card."""
 
-    policy: ColocationPolicy
+    arm: str
     horizon_s: float
     latencies: FloatArray
+    oom: int
     online_work_s: float
-    oom_events: int
-    offline_work_s: float
-    """GPU seconds of offline work done, at solo speed."""
-    offline_lost_s: float
-    """Of which lost to evictions (since the last checkpoint)."""
-    offline_offered_s: float
-    """GPU seconds of offline work submitted (inf: a backlog that never runs dry)."""
+    ledger: WorkLedger
     evictions: int
+    holds: int
+    timeouts: int
     suspensions: int
-    offline_jobs_done: int
-    bucket_s: float
-    online_busy: FloatArray
-    offline_alone: FloatArray
-    """Per bucket: seconds the card ran online kernels / offline kernels with online idle."""
-    peak_memory_gib: float
-    wall_s: float = 0.0
+    busy: FloatArray
+    """Per bucket: seconds some kernel ran on the card."""
+    wall_s: float
 
 
-def run_card(s: ColocationScenario, policy: ColocationPolicy, load: OnlineLoad, seed: int) -> CardRun:
-    """Replay one card's day under `policy`; `seed` drives the offline jobs and the drain/slice waits so
-    that every policy sees the same offline backlog."""
-    started = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    horizon = s.days * DAY_S
-    arrivals, service = load.arrivals, load.service
-    n = len(arrivals)
-    waits = rng.uniform(0.0, 1.0, n)
-    total_mem = int(s.card_memory_gib * GIB)
-    online_base = int(s.online_base_gib * GIB)
-    per_request = int(s.online_request_gib * GIB)
-    offline_min, offline_max = int(s.offline_min_gib * GIB), int(s.offline_max_gib * GIB)
-    job_work_mean = s.offline_job_minutes * 60.0
-    checkpoint = s.offline_checkpoint_minutes * 60.0
-    settings = s.guard_settings()
-    guard = MemoryGuard(settings) if policy is ColocationPolicy.PRIORITY_MEMORY_GUARD else None
-    arbiter = SliceArbiter(settings.min_slice_s)
-    period = s.guard_period_ms / 1000.0
-    eviction_delay = s.eviction_ms / 1000.0
-    restart_delay = s.offline_restart_s
-    min_slice = s.min_slice_ms / 1000.0
-    resume_cost = s.resume_overhead_ms / 1000.0
-    drain = s.suspend_latency_ms / 1000.0
-    slice_s = s.timeslice_ms / 1000.0
-    busy_rate = {ColocationPolicy.TIME_SLICE: 0.5, ColocationPolicy.MPS: s.mps_offline_rate_busy}.get(policy, 0.0)
-    stretch = {ColocationPolicy.TIME_SLICE: 2.0, ColocationPolicy.MPS: s.mps_online_slowdown}.get(policy, 1.0)
-    bucket_s = s.bucket_minutes * 60.0
-    buckets = max(1, math.ceil(horizon / bucket_s))
-    online_busy = np.zeros(buckets)
-    offline_alone = np.zeros(buckets)
+class CardSim:
+    """One card under one arm. `run()` replays the online load; the guard's passes run every `poll_s`."""
 
-    latencies = np.empty(n)
-    departures = np.empty(n)
-    served = 0
-    gone = 0  # departures[:gone] are <= the current time
-    oom = 0
-    job: OfflineJob | None = None
-    running = False  # offline kernels may run (resident, admitted, not being evicted)
-    freeing_at = -1.0  # an evicted job's memory is held until then
-    freeing_bytes = 0
-    next_admit = 0.0
-    offline_done = lost = 0.0
-    evictions = suspensions = jobs_done = 0
-    backlog: deque[OfflineJob] = deque()
-    submitted: list[tuple[float, OfflineJob]] = []
-    offered = math.inf
-    arriving = s.offline_gpu_hours_per_day > 0
-    if arriving:
-        stream = np.random.default_rng([seed, 7])
-        jobs = stream.poisson(s.offline_gpu_hours_per_day * 3600.0 * s.days / job_work_mean)
-        works = stream.exponential(job_work_mean, jobs)
-        sizes = stream.uniform(offline_min, offline_max + 1, jobs).astype(np.int64)
-        submitted = sorted(zip(stream.uniform(0.0, horizon, jobs).tolist(),
-                               (OfflineJob(int(m), float(w)) for m, w in zip(sizes, works, strict=True)),
-                               strict=True), key=lambda item: item[0])
-        offered = float(works.sum())
-    arrived = 0
-    busy_until = 0.0  # online server busy until
-    accounted = 0.0  # offline progress is accounted up to here
-    peak_mem = 0
-    next_tick = 0.0
+    def __init__(self, s: ColocationSettings, arm: str, load: OnlineLoad, seed: int) -> None:
+        self.s = s
+        self.arm = arm
+        self.arrivals = load.arrivals.tolist()
+        self.service = load.service.tolist()
+        self.rng = np.random.default_rng([seed, 11])
+        self.jobs_rng = np.random.default_rng([seed, 7])
+        settings = s.guard_settings()
+        if arm == KERNEL:
+            settings = replace(settings, min_slice_s=s.kernel_gate_slice_ms / 1000.0)
+        self.policy = CardPolicy(settings, evictions=s.evictions and arm in (GUARD, KERNEL))
+        self.total = int(s.card_memory_gib * GIB)
+        self.base = int(s.online_base_gib * GIB)
+        self.per_request = int(s.online_request_gib * GIB)
+        self.save = SaveModel(every_s=s.offline_save_every_minutes * 60.0, save_s=s.offline_save_s, on_signal=True)
+        self.ledger = WorkLedger()
+        self.backlog: deque[OfflineJob] = deque()
+        self.jobs: list[OfflineJob] = []
+        self.named = 0
+        self.t = 0.0
+        self.queue: deque[list[float]] = deque()
+        """[arrival, work left] of the requests in flight, the head in service."""
+        self.next_arrival = 0
+        self.busy_total = 0.0
+        """Seconds online has been busy so far (the guard's SM reading differences it)."""
+        self.latencies: list[float] = []
+        self.oom = 0
+        self.evictions = self.holds = self.timeouts = self.suspensions = 0
+        self.next_place = 0.0
+        self.gate_check = math.inf
+        """The kernel gate: when online's idle slice ends (inf: none pending)."""
+        self.bucket_s = s.bucket_minutes * 60.0
+        self.busy = np.zeros(max(1, math.ceil(s.hours * 3600.0 / self.bucket_s)))
 
-    def online_bytes(now: float) -> int:
-        nonlocal gone
-        while gone < served and departures[gone] <= now:
-            gone += 1
-        return online_base + per_request * (served - gone)
+    # -- the card's physics ------------------------------------------------------------------------------
+    def _switch_after(self, t: float) -> float:
+        nxt = self.gate_check
+        for job in self.jobs:
+            if t < job.run_from < nxt:
+                nxt = job.run_from
+            if t < job.stop_at < nxt and job.run_from <= t:
+                nxt = job.stop_at
+        return nxt
 
-    def offline_bytes(now: float) -> int:
-        held = job.footprint if job is not None else 0
-        return held + (freeing_bytes if now < freeing_at else 0)
+    def advance(self, until: float) -> None:
+        """Serve online and run offline from `self.t` to `until`, one stretch of constant speeds at a time."""
+        s = self.s
+        arrivals, service = self.arrivals, self.service
+        while self.t < until:
+            t = self.t
+            executing = [j for j in self.jobs if j.executing(t)]
+            online_busy = bool(self.queue)
+            slow = s.share_online_slowdown if executing else 1.0
+            end = min(until, self._switch_after(t))
+            arrival = arrivals[self.next_arrival] if self.next_arrival < len(arrivals) else math.inf
+            end = min(end, arrival)
+            if online_busy:
+                end = min(end, t + self.queue[0][1] * slow)
+            dt = end - t
+            if dt > 0:
+                if online_busy:
+                    self.queue[0][1] -= dt / slow
+                    self.busy_total += dt
+                if executing:
+                    rate = (s.share_offline_rate if online_busy else 1.0) / len(executing)
+                    for job in executing:
+                        job.clock += rate * dt
+                if online_busy or executing:
+                    self._book_busy(t, dt)
+            self.t = end
+            if online_busy and self.queue[0][1] <= 1e-12:
+                arrived, _ = self.queue.popleft()
+                self.latencies.append(end - arrived)
+                if not self.queue:
+                    self._online_idle(end)
+            if end == arrival:
+                self.next_arrival += 1
+                self._arrive(end, service[self.next_arrival - 1])
+            if end == self.gate_check:
+                self.gate_check = math.inf
+                self._gate(end, self.policy.arbiter.observe(end, bool(self.queue)))
+            self._finish_jobs(end)
 
-    def account(upto: float) -> None:
-        """Offline progress from `accounted` to `upto`: a busy part (online running) then an idle part."""
-        nonlocal accounted, offline_done, job, running, jobs_done, next_admit
-        start = accounted
-        if upto <= start:
+    def _book_busy(self, t: float, dt: float) -> None:
+        b = min(int(t // self.bucket_s), len(self.busy) - 1)
+        self.busy[b] += dt
+
+    def _arrive(self, t: float, work: float) -> None:
+        in_use = self.base + self.per_request * (len(self.queue) + 1) + sum(j.holds(t) for j in self.jobs)
+        if in_use > self.total:
+            self.oom += 1
             return
-        accounted = upto
-        busy = max(0.0, min(busy_until, upto) - start)
-        idle_from = max(busy_until, start)
-        idle = max(0.0, upto - idle_from)
-        b = min(int(start // bucket_s), buckets - 1)
-        online_busy[b] += busy
-        if job is None or not running:
+        self.queue.append([t, work])
+        if len(self.queue) == 1 and self.arm == KERNEL:
+            self.gate_check = math.inf
+            self._gate(t, self.policy.arbiter.observe(t, True))
+
+    def _online_idle(self, t: float) -> None:
+        if self.arm == KERNEL:
+            self._gate(t, self.policy.arbiter.observe(t, False))
+            self.gate_check = t + self.s.kernel_gate_slice_ms / 1000.0
+
+    def _finish_jobs(self, t: float) -> None:
+        for job in self.jobs:
+            if job.clock >= job.finish_clock - 1e-9 and job.gone_at == math.inf:
+                job.job.complete(job.finish_clock)
+                self.ledger.completed(job.job)
+                job.run_from = job.stop_at = math.inf
+                job.gone_at = t + self.s.offline_exit_s
+
+    # -- the guard's pass --------------------------------------------------------------------------------
+    def tick(self, now: float, reading_busy: float) -> None:
+        s = self.s
+        online_bytes = self.base + self.per_request * len(self.queue)
+        held = sum(j.holds(now) for j in self.jobs)
+        free = self.total - online_bytes - held
+        views = [OfflineView(j.name, j.state, j.since, j.placed_at, now < j.gone_at, j.holds(now),
+                             quota_bytes=j.footprint, starting=j.starting) for j in self.jobs]
+        for job in self.jobs:
+            job.starting = False
+        if self.arm == GUARD:
+            active: bool | None = reading_busy > s.online_sm_threshold_pct / 100.0 * s.poll_s
+        elif self.arm == KERNEL:
+            active = bool(self.queue)
+        else:
+            active = None
+        decision = self.policy.decide(now, active, online_bytes, free, views)
+        by_name = {j.name: j for j in self.jobs}
+        for step in decision.steps:
+            self._apply(by_name[step.name], step.event, now)
+        if decision.gate is OfflineEvent.ONLINE_DEMAND:
+            for job in self.jobs:
+                if job.state is OfflineState.EVICTING:  # online demand during the grace: killed at once
+                    job.gone_at = min(job.gone_at, now + s.offline_exit_s)
+        if decision.gate is not None:
+            self._gate(now, decision.gate)
+        self.jobs = [j for j in self.jobs if j.state is not OfflineState.GONE]
+        self._place(now)
+
+    def _gate(self, now: float, event: OfflineEvent | None) -> None:
+        if event is not None:
+            for job in self.jobs:
+                self._apply(job, event, now)
+
+    def _apply(self, job: OfflineJob, event: OfflineEvent, now: float) -> None:
+        s = self.s
+        state, action = offline_transition(job.state, event)
+        if action is None:
             return
-        if policy.preempts:
-            resumed_at = busy_until + min_slice + resume_cost if busy_until > 0 else 0.0
-            idle = max(0.0, upto - max(idle_from, resumed_at))
-        work = busy * busy_rate + idle
-        offline_alone[b] += idle
-        used = min(work, job.work_left)
-        job.work_left -= used
-        offline_done += used
-        job.since_checkpoint = (job.since_checkpoint + used) % checkpoint
-        if job.work_left <= 1e-9:
-            jobs_done += 1
-            job, running = None, False
-            next_admit = upto
+        job.state, job.since = state, now
+        if action is OfflineAction.SUSPEND or action is OfflineAction.HOLD:
+            if action is OfflineAction.SUSPEND:
+                self.suspensions += 1
+            else:
+                self.holds += 1
+            if self.arm == KERNEL and action is OfflineAction.SUSPEND:
+                drain = (s.kernel_gate_detect_ms + self.rng.uniform(0.0, s.kernel_gate_drain_ms)) / 1000.0
+            else:
+                drain = self.rng.uniform(0.0, s.offline_drain_ms) / 1000.0
+            if job.run_from <= now + drain:
+                job.stop_at = now + drain
+            else:  # not started yet: it never runs, and allocates nothing
+                job.run_from = math.inf
+                if job.allocated_at > now:
+                    job.allocated_at = math.inf
+        elif action is OfflineAction.RESUME:
+            if not job.executing(now):
+                job.run_at(now + s.resume_ms / 1000.0)
+            job.stop_at = math.inf
+        elif action is OfflineAction.ADMIT and self.arm == SHARED:
+            self._apply(job, OfflineEvent.ONLINE_IDLE, now)  # no gate: an admitted job goes on at once
+        elif action is OfflineAction.EVICT:
+            self._evict(job, event, now)
+        elif action is OfflineAction.FORGET:
+            job.state = OfflineState.GONE
 
-    def tick(now: float) -> None:
-        """The periodic look at the card: the guard's evictions, and offline admissions."""
-        nonlocal job, running, freeing_at, freeing_bytes, next_admit, evictions, lost, arrived
-        account(now)
-        online = online_bytes(now)
-        free = total_mem - online - offline_bytes(now)
-        if guard is not None:
-            guard.observe(now, online)
-            if job is not None and guard.should_evict(free):
-                lost += job.since_checkpoint
-                evictions += 1
-                freeing_at, freeing_bytes = now + eviction_delay, job.footprint
-                if arriving:
-                    job.work_left += job.since_checkpoint
-                    job.since_checkpoint = 0.0
-                    backlog.appendleft(job)
-                job, running = None, False
-                next_admit = now + restart_delay
-                return
-        while arrived < len(submitted) and submitted[arrived][0] <= now:
-            backlog.append(submitted[arrived][1])
-            arrived += 1
-        if job is None and policy.shares and now >= next_admit:
-            room = guard.admissible_bytes(free) if guard is not None else free
-            if not arriving and room >= offline_min:
-                footprint = int(rng.uniform(offline_min, min(offline_max, room) + 1))
-                job = OfflineJob(footprint, float(rng.exponential(job_work_mean)))
-                running = True
-            elif arriving:
-                for index, waiting in enumerate(backlog):
-                    if waiting.footprint <= room:
-                        del backlog[index]
-                        job, running = waiting, True
-                        break
+    def _evict(self, job: OfflineJob, event: OfflineEvent, now: float) -> None:
+        s = self.s
+        if event is OfflineEvent.ADMISSION_TIMEOUT:
+            self.timeouts += 1
+        else:
+            self.evictions += 1
+        ran = job.job.running
+        # SIGTERM: it may save until the guard kills it, at once when online demand shows
+        grace = 0.0 if self.queue else min(s.kill_grace_s, self._next_arrival_after(now) - now + s.poll_s)
+        if ran:
+            outcome = job.job.stop(job.clock, grace)
+            self.ledger.stopped(job.job, outcome, "eviction")
+            exit_in = min(max(0.0, outcome.exit_s - job.clock), grace)
+        else:
+            exit_in = 0.0
+        job.run_from = job.stop_at = math.inf
+        job.gone_at = now + exit_in + s.offline_exit_s
+        self.next_place = now + s.offline_restart_s
+        if ran and event is not OfflineEvent.ADMISSION_TIMEOUT:
+            self.backlog.appendleft(job)  # it restarts from its last save, the next to be placed
 
-    for i in range(n):
-        a = arrivals[i]
-        while next_tick <= a:
-            if guard is None and job is not None:
-                # nothing to admit and no guard watching: skip the idle looks
-                next_tick = (math.floor(a / period) + 1) * period
+    def _next_arrival_after(self, now: float) -> float:
+        i = self.next_arrival
+        return self.arrivals[i] if i < len(self.arrivals) else now + self.s.kill_grace_s
+
+    def _job(self, now: float) -> OfflineJob:
+        s = self.s
+        self.named += 1
+        footprint = int(self.jobs_rng.uniform(s.offline_min_gib, s.offline_max_gib) * GIB)
+        work = float(self.jobs_rng.exponential(s.offline_job_minutes * 60.0)) + 1.0
+        return OfflineJob(f"offline-{self.named}", footprint, CheckpointingJob(f"offline-{self.named}", work, 1.0,
+                                                                              self.save), now)
+
+    def _place(self, now: float) -> None:
+        if self.arm == EXCLUSIVE or now < self.next_place:
+            return
+        while sum(1 for j in self.jobs if j.gone_at > now) < self.s.offline_slots:
+            job = self.backlog.popleft() if self.backlog else self._job(now)
+            job.placed_at = job.since = now
+            job.state, job.starting = OfflineState.RUNNING, True
+            job.stop_at = job.allocated_at = job.gone_at = math.inf
+            job.clock = 0.0
+            job.job.start(0.0)
+            job.finish_clock = job.job.finish_time(0.0)
+            job.run_at(now + self.s.offline_start_s)
+            self.jobs.append(job)
+
+    def run(self) -> CardRun:
+        started = time.perf_counter()
+        horizon = self.s.hours * 3600.0
+        poll = self.s.poll_s
+        if self.arm != EXCLUSIVE:
+            ticks = int(horizon / poll)
+            last_busy = 0.0
+            for k in range(1, ticks + 1):
+                now = k * poll
+                self.advance(now)
+                self.tick(now, self.busy_total - last_busy)
+                last_busy = self.busy_total
+        self.advance(horizon)
+        while self.queue:  # requests still in flight finish after the horizon
+            self.advance(self.t + self.queue[0][1] * self.s.share_online_slowdown + 1e-9)
+            if self.t > horizon + 3600.0:
                 break
-            tick(next_tick)
-            next_tick += period
-        account(a)
-        online = online_bytes(a) + per_request
-        in_use = online + offline_bytes(a)
-        if in_use > total_mem:
-            oom += 1
-            continue
-        peak_mem = max(peak_mem, in_use)
-        setup = 0.0
-        sharing = job is not None and running
-        if policy.preempts:
-            if a >= busy_until:
-                arbiter.observe(busy_until, False)
-                if arbiter.observe(a, False) is OfflineEvent.ONLINE_IDLE and sharing:
-                    # offline had resumed: suspend it; its kernels in flight drain first
-                    setup = waits[i] * drain
-                    suspensions += 1
-            arbiter.observe(a, True)
-        elif policy is ColocationPolicy.TIME_SLICE and sharing and a >= busy_until:
-            setup = waits[i] * slice_s  # the running offline slice ends first
-        if setup:
-            account(a + setup)
-        start = max(a + setup, busy_until)
-        busy_until = start + service[i] * (stretch if sharing else 1.0)
-        departures[served] = busy_until
-        latencies[served] = busy_until - a
-        served += 1
-    while next_tick <= horizon:
-        tick(next_tick)
-        next_tick += period
-    account(horizon)
-    return CardRun(policy, horizon, latencies[:served].copy(), float(service.sum()), oom, offline_done, lost,
-                   offered, evictions, suspensions, jobs_done, bucket_s, online_busy, offline_alone, peak_mem / GIB,
-                   time.perf_counter() - started)
+        for job in self.jobs:  # work done and not saved yet at the end is not lost: the job goes on
+            if job.job.running and job.gone_at > self.t:
+                self.ledger.useful_gpu_s += max(0.0, job.job.done_s(job.clock) - job.job.booked_s)
+        return CardRun(self.arm, horizon, np.asarray(self.latencies), self.oom, float(sum(self.service)),
+                       self.ledger, self.evictions, self.holds, self.timeouts, self.suspensions, self.busy,
+                       time.perf_counter() - started)
 
 
-# ---------------------------------------------------------------------------------------------- comparison
+def run_card(s: ColocationSettings, arm: str, load: OnlineLoad, seed: int) -> CardRun:
+    return CardSim(s, arm, load, seed).run()
+
+
+# ---------------------------------------------------------------------------------------------- figures
+class ColocationFigures(Figures):
+    idle_pct: float = figure("all", "card time online leaves idle (at full speed)", "%")
+    exclusive_online_p99_ms: float = figure(EXCLUSIVE, "online p99 latency, online alone", "ms")
+    exclusive_online_oom: int = figure(EXCLUSIVE, "online out-of-memory events, online alone")
+    exclusive_card_busy_pct: float = figure(EXCLUSIVE, "card time some kernel ran", "%")
+    shared_online_p99_ms: float = figure(SHARED, "online p99 latency", "ms")
+    shared_p99_vs_exclusive_pct: float = figure(SHARED, "online p99 against exclusive", "%")
+    shared_online_oom_added: int = figure(SHARED, "online out-of-memory events added to exclusive's")
+    shared_offline_share_of_idle_pct: float = figure(SHARED, "useful offline work, share of the idle time", "%")
+    shared_offline_lost_gpu_h: float = figure(SHARED, "offline work lost to evictions", "GPU-h")
+    shared_holds: int = figure(SHARED, "offline starts held by admission")
+    shared_card_busy_pct: float = figure(SHARED, "card time some kernel ran", "%")
+    guard_online_p99_ms: float = figure(GUARD, "online p99 latency", "ms")
+    guard_p99_vs_exclusive_pct: float = figure(GUARD, "online p99 against exclusive", "%")
+    guard_online_oom_added: int = figure(GUARD, "online out-of-memory events added to exclusive's")
+    guard_offline_share_of_idle_pct: float = figure(GUARD, "useful offline work, share of the idle time", "%")
+    guard_offline_lost_gpu_h: float = figure(GUARD, "offline work lost to evictions", "GPU-h")
+    guard_evictions: int = figure(GUARD, "memory evictions")
+    guard_holds: int = figure(GUARD, "offline starts held by admission")
+    guard_suspensions_per_hour: float = figure(GUARD, "suspensions (SIGSTOP) per card-hour")
+    guard_card_busy_pct: float = figure(GUARD, "card time some kernel ran", "%")
+    kernel_online_p99_ms: float = figure(KERNEL, "online p99 latency", "ms")
+    kernel_p99_vs_exclusive_pct: float = figure(KERNEL, "online p99 against exclusive", "%")
+    kernel_online_oom_added: int = figure(KERNEL, "online out-of-memory events added to exclusive's")
+    kernel_offline_share_of_idle_pct: float = figure(KERNEL, "useful offline work, share of the idle time", "%")
+    kernel_offline_lost_gpu_h: float = figure(KERNEL, "offline work lost to evictions", "GPU-h")
+    kernel_evictions: int = figure(KERNEL, "memory evictions")
+    kernel_holds: int = figure(KERNEL, "offline starts held by admission")
+    kernel_card_busy_pct: float = figure(KERNEL, "card time some kernel ran", "%")
+    busy_series: tuple[tuple[str, tuple[float, ...]], ...] = series("per arm: card busy % per bucket")
+    latency_series: tuple[tuple[str, tuple[float, ...]], ...] = series("per arm: sorted latency sample (ms)")
+    bucket_minutes: float = series("width of a busy bucket")
+
+
+PREFIX = {SHARED: "shared", GUARD: "guard", KERNEL: "kernel"}
+
+
 @dataclass(slots=True)
-class PolicyResult:
-    """One policy pooled over every card."""
-
-    policy: ColocationPolicy
+class ArmResult:
     runs: list[CardRun] = field(default_factory=list)
 
-    @property
     def latencies_ms(self) -> FloatArray:
         return np.concatenate([r.latencies for r in self.runs]) * 1000.0
 
     def total(self, name: str) -> float:
         return float(sum(getattr(r, name) for r in self.runs))
 
-    def busy_pct(self) -> tuple[FloatArray, FloatArray]:
-        """Per bucket, the share of the cards' time online kernels ran, and offline kernels ran alone."""
-        first = self.runs[0]
-        widths = np.full(len(first.online_busy), first.bucket_s)
-        widths[-1] = max(first.horizon_s - first.bucket_s * (len(widths) - 1), 0.0)
-        keep = widths > 0
-        scale = 100.0 / (widths[keep] * len(self.runs))
-        online = np.sum([r.online_busy for r in self.runs], axis=0)[keep] * scale
-        offline = np.sum([r.offline_alone for r in self.runs], axis=0)[keep] * scale
-        return np.asarray(online), np.asarray(offline)
 
-    def utilisation_pct(self) -> FloatArray:
-        """Per bucket, the share of the cards' time some kernel ran (a card-busy ratio, like GPU_UTIL)."""
-        online, offline = self.busy_pct()
-        return np.asarray(np.minimum(online + offline, 100.0))
+def _p99(latencies_ms: FloatArray) -> float:
+    return float(np.percentile(latencies_ms, 99)) if len(latencies_ms) else 0.0
 
 
-def figure_key(policy: ColocationPolicy) -> str:
-    return policy.value.replace("+", "_").replace("-", "_")
+def _sample(latencies_ms: FloatArray, points: int = 400) -> tuple[float, ...]:
+    if len(latencies_ms) == 0:
+        return ()
+    return tuple(float(v) for v in np.percentile(latencies_ms, np.linspace(0.0, 100.0, points)))
 
 
-@dataclass(slots=True)
-class ColocationComparison:
-    scenario: ColocationScenario
-    results: dict[ColocationPolicy, PolicyResult]
-    placement: list[PlacementResult] = field(default_factory=list)
-    memory_room_pct: float = 100.0
-    """Mean over the cards of `memory_room_pct`."""
-    wall_s: float = 0.0
-
-    def figures(self) -> dict[str, Any]:
-        s = self.scenario
-        out: dict[str, Any] = {"scenario": "colocation", "days": s.days, "cards": s.cards, "seed": s.seed}
-        base = self.results.get(ColocationPolicy.EXCLUSIVE)
-        base_p99 = float(np.percentile(base.latencies_ms, 99)) if base is not None else math.nan
-        base_qps = len(base.latencies_ms) / (s.days * DAY_S * s.cards) if base is not None else math.nan
-        base_util = float(np.mean(base.utilisation_pct())) if base is not None else math.nan
-        base_peak = float(np.max(base.utilisation_pct())) if base is not None else math.nan
-        base_oom = int(base.total("oom_events")) if base is not None else None
-        out["offline_memory_room_pct"] = round(self.memory_room_pct, 3)
-        for policy, result in self.results.items():
-            key = figure_key(policy)
-            lat = result.latencies_ms
-            horizon = s.days * DAY_S * s.cards
-            idle = horizon - result.total("online_work_s")
-            useful = result.total("offline_work_s") - result.total("offline_lost_s")
-            util = result.utilisation_pct()
-            p99 = float(np.percentile(lat, 99)) if len(lat) else math.nan
-            qps = len(lat) / horizon
-            out |= {
-                f"{key}_online_p50_ms": round(float(np.percentile(lat, 50)), 3) if len(lat) else None,
-                f"{key}_online_p99_ms": round(p99, 3) if len(lat) else None,
-                f"{key}_online_p99_vs_exclusive_pct": _change(p99, base_p99),
-                f"{key}_online_qps": round(qps, 3),
-                f"{key}_online_qps_vs_exclusive_pct": _change(qps, base_qps),
-                f"{key}_online_oom_events": int(result.total("oom_events")),
-                f"{key}_online_oom_added": None if base_oom is None else int(result.total("oom_events")) - base_oom,
-                f"{key}_offline_share_of_idle_pct": round(useful * 100.0 / max(idle, 1e-9), 3),
-                f"{key}_offline_share_of_usable_idle_pct": round(
-                    useful * 100.0 / max(min(idle, result.total("offline_offered_s")), 1e-9), 3),
-                f"{key}_offline_gpu_hours": round(useful / 3600.0, 3),
-                f"{key}_offline_lost_gpu_hours": round(result.total("offline_lost_s") / 3600.0, 3),
-                f"{key}_offline_done_pct_of_offered": _share(useful, result.total("offline_offered_s")),
-                f"{key}_offline_jobs_done": int(result.total("offline_jobs_done")),
-                f"{key}_evictions": int(result.total("evictions")),
-                f"{key}_suspensions_per_hour": round(result.total("suspensions") / (horizon / 3600.0), 1),
-                f"{key}_card_utilisation_pct": round(float(np.mean(util)), 3),
-                f"{key}_card_utilisation_peak_pct": round(float(np.max(util)), 3),
-                f"{key}_utilisation_gain_points": _points(float(np.mean(util)), base_util),
-                f"{key}_peak_utilisation_gain_points": _points(float(np.max(util)), base_peak),
-                f"{key}_peak_memory_gib": round(max(r.peak_memory_gib for r in result.runs), 2),
-                f"{key}_wall_s": round(result.total("wall_s"), 2),
-            }
-        guarded = figure_key(ColocationPolicy.PRIORITY_MEMORY_GUARD)
-        if ColocationPolicy.PRIORITY_MEMORY_GUARD in self.results and base is not None:
-            p99_ok = out[f"{guarded}_online_p99_vs_exclusive_pct"] <= s.goal_p99_over_exclusive_pct
-            offline_ok = out[f"{guarded}_offline_share_of_usable_idle_pct"] >= s.goal_offline_share_of_idle_pct
-            oom_ok = out[f"{guarded}_online_oom_added"] == 0
-            out |= {"goal_p99_met": bool(p99_ok), "goal_offline_share_met": bool(offline_ok),
-                    "goal_zero_online_oom_met": bool(oom_ok), "goals_met": bool(p99_ok and offline_ok and oom_ok)}
-        for placed in self.placement:
-            prefix = f"placement_{placed.policy}"
-            out |= {f"{prefix}_offline_pods_placed": placed.offline_placed,
-                    f"{prefix}_online_pressure_under_offline": placed.online_pressure_under_offline,
-                    f"{prefix}_offline_on_busy_cards_pct": placed.offline_on_busy_cards_pct,
-                    f"{prefix}_stranded_compute_pct": placed.stranded_compute_pct,
-                    f"{prefix}_stranded_memory_pct": placed.stranded_memory_pct}
-        out["wall_s"] = round(self.wall_s, 2)
-        return out
-
-
-def _change(value: float, base: float) -> float | None:
-    if not math.isfinite(value) or not math.isfinite(base) or base <= 0:
-        return None
-    return round((value - base) * 100.0 / base, 3)
-
-
-def _share(part: float, whole: float) -> float | None:
-    """`part` as % of `whole`; None for a backlog that never runs dry."""
-    return round(part * 100.0 / whole, 3) if math.isfinite(whole) and whole > 0 else None
-
-
-def _points(value: float, base: float) -> float | None:
-    return round(value - base, 3) if math.isfinite(base) else None
-
-
-def run_colocation(s: ColocationScenario, progress: Progress | None = None) -> ColocationComparison:
-    """Every policy on the same cards: each card's online load and offline backlog are drawn once from its
-    seed and replayed under each policy. Then the placement comparison (`run_placement`)."""
-    started = time.perf_counter()
-    results = {p: PolicyResult(p) for p in dict.fromkeys(s.policies)}
-    total, done = s.cards * len(results), 0
-    rooms = []
+def run_colocation(s: ColocationSettings, progress: Progress | None = None) -> ColocationFigures:
+    """Every arm on the same cards: each card's online load and offline backlog come from its seed."""
+    results = {arm: ArmResult() for arm in ARMS}
+    total, done = s.cards * len(ARMS), 0
     for card in range(s.cards):
         seed = s.seed * 1_000_003 + card
         load = online_load(s, np.random.default_rng([seed, 0]))
-        rooms.append(memory_room_pct(s, load))
-        for policy, result in results.items():
-            result.runs.append(run_card(s, policy, load, seed))
+        for arm, result in results.items():
+            result.runs.append(run_card(s, arm, load, seed))
             done += 1
             if progress is not None:
-                progress(done, total)
-    placement = run_placement(s)
-    return ColocationComparison(s, results, placement, float(np.mean(rooms)), time.perf_counter() - started)
+                progress("arm x card", done, total)
+    return figures_of(s, results)
 
 
-
-# ---------------------------------------------------------------------------------------------- placement
-PLACEMENT_POLICIES = ("binpack", "colocation")
-
-
-@dataclass(frozen=True, slots=True)
-class PlacementResult:
-    policy: str
-    offline_offered: int
-    offline_placed: int
-    online_pressure_under_offline: float
-    """Compute-weighted mean share of a card held by online pods, over the cards offline pods went to."""
-    offline_on_busy_cards_pct: float
-    """Offline pods placed on cards where online holds more than half the compute."""
-    stranded_compute_pct: float
-    """Free compute on cards with less than the smallest offline memory request free (% of all compute)."""
-    stranded_memory_pct: float
-    """Free memory on cards with less than the smallest offline compute request free (% of all memory)."""
-
-
-def _placement_pods(s: ColocationScenario, card_mib: int, rng: np.random.Generator) -> tuple[list[PodRequest],
-                                                                                               list[PodRequest]]:
-    cards = s.placement_nodes * s.placement_gpus_per_node
-    online, offline = [], []
-    for i in range(round(cards * s.placement_online_pods_per_card)):
-        milli = int(rng.choice(np.arange(100, 501, 50)))
-        mem = int(card_mib * milli / MILLI_PER_CARD * rng.uniform(0.7, 1.3))
-        online.append(PodRequest(f"online-{i}", gpu=Fraction(compute_milli=milli, memory_mib=mem), qos=QoS.ONLINE,
-                                 priority=1000))
-    for i in range(round(cards * s.placement_offline_pods_per_card)):
-        if rng.random() < 0.5:  # compute-heavy: half the memory its compute share would suggest, or less
-            milli, ratio = int(rng.choice(np.arange(200, 501, 50))), rng.uniform(0.2, 0.5)
-        else:  # memory-heavy
-            milli, ratio = int(rng.choice(np.arange(100, 251, 50))), rng.uniform(1.5, 3.0)
-        mem = min(int(card_mib * milli / MILLI_PER_CARD * ratio), card_mib)
-        offline.append(PodRequest(f"offline-{i}", gpu=Fraction(compute_milli=milli, memory_mib=mem), qos=QoS.OFFLINE,
-                                  priority=100))
-    return online, offline
+def figures_of(s: ColocationSettings, results: dict[str, ArmResult]) -> ColocationFigures:
+    horizon = s.hours * 3600.0 * s.cards
+    base = results[EXCLUSIVE]
+    base_lat = base.latencies_ms()
+    base_p99 = _p99(base_lat)
+    online_work = base.total("online_work_s")
+    idle = max(horizon - online_work, 1e-9)
+    values: dict[str, object] = {
+        "idle_pct": round(idle * 100.0 / horizon, 3),
+        "exclusive_online_p99_ms": round(base_p99, 3),
+        "exclusive_online_oom": int(base.total("oom")),
+        "exclusive_card_busy_pct": round(float(sum(r.busy.sum() for r in base.runs)) * 100.0 / horizon, 3)}
+    for arm in SHARING:
+        result, key = results[arm], PREFIX[arm]
+        lat = result.latencies_ms()
+        useful = sum(r.ledger.useful_gpu_s for r in result.runs)
+        lost = sum(r.ledger.lost_gpu_h() for r in result.runs)
+        values |= {
+            f"{key}_online_p99_ms": round(_p99(lat), 3),
+            f"{key}_p99_vs_exclusive_pct": round((_p99(lat) - base_p99) * 100.0 / base_p99, 3) if base_p99 else 0.0,
+            f"{key}_online_oom_added": int(result.total("oom") - base.total("oom")),
+            f"{key}_offline_share_of_idle_pct": round(useful * 100.0 / idle, 3),
+            f"{key}_offline_lost_gpu_h": round(lost, 4),
+            f"{key}_card_busy_pct": round(float(sum(r.busy.sum() for r in result.runs)) * 100.0 / horizon, 3)}
+        if arm != SHARED:
+            values[f"{key}_evictions"] = int(result.total("evictions"))
+        values[f"{key}_holds"] = int(result.total("holds"))
+    values["guard_suspensions_per_hour"] = round(results[GUARD].total("suspensions") / (horizon / 3600.0), 1)
+    bucket = s.bucket_minutes * 60.0
+    values["busy_series"] = tuple(
+        (arm, tuple(float(v) for v in np.sum([r.busy for r in results[arm].runs], axis=0)
+                    * 100.0 / (bucket * s.cards)))
+        for arm in ARMS)
+    values["latency_series"] = tuple((arm, _sample(results[arm].latencies_ms())) for arm in ARMS)
+    values["bucket_minutes"] = s.bucket_minutes
+    return ColocationFigures.model_validate(values)
 
 
-def run_placement(s: ColocationScenario) -> list[PlacementResult]:
-    """Online pods first, spread over nodes and cards as inference fleets spread replicas (the same for both),
-    then offline pods by each policy; the same pods for both."""
-    catalog = default_catalog()
-    model = catalog.get(s.placement_gpu_model)
-    nodes = [NodeSpec(f"node-{i:04d}", 128_000, 1_024_000, model.name, s.placement_gpus_per_node)
-             for i in range(s.placement_nodes)]
-    online, offline = _placement_pods(s, model.memory_mib, np.random.default_rng([s.seed, 1]))
-    registry = default_registry()
-    spread = Framework(registry.build(PolicyConfig(node_policy="spread", card_policy="spread", seed=s.seed)),
-                       np.random.default_rng([s.seed, 2]))
-    results = []
-    for policy in PLACEMENT_POLICIES:
-        state = ClusterState(catalog, nodes)
-        for pod in online:
-            decision = spread.schedule(pod, state)
-            if decision.assignment is not None:
-                state.place(pod, decision.assignment)
-        framework = Framework(registry.build(PolicyConfig(node_policy=policy, seed=s.seed)),
-                              np.random.default_rng([s.seed, 3]))
-        pressures, weights = [], []
-        busy = 0
-        for pod in offline:
-            decision = framework.schedule(pod, state)
-            if decision.assignment is None:
-                continue
-            share = decision.assignment.cards[0]
-            pressure = float(state.card_online_milli[decision.node, share.card]) / MILLI_PER_CARD
-            pressures.append(pressure)
-            weights.append(share.compute_milli)
-            busy += pressure > 0.5
-            state.place(pod, decision.assignment)
-        results.append(_placement_result(policy, state, offline, pressures, weights, busy))
-    return results
+ROWS: tuple[tuple[str, str], ...] = (
+    ("online p99 latency (ms)", "online_p99_ms"),
+    ("  against exclusive (%)", "p99_vs_exclusive_pct"),
+    ("online OOM events added", "online_oom_added"),
+    ("useful offline work, % of idle time", "offline_share_of_idle_pct"),
+    ("offline work lost (GPU-h)", "offline_lost_gpu_h"),
+    ("memory evictions", "evictions"),
+    ("offline starts held by admission", "holds"),
+    ("card time some kernel ran (%)", "card_busy_pct"),
+)
 
 
-def _placement_result(policy: str, state: ClusterState, offline: Sequence[PodRequest], pressures: list[float],
-                      weights: list[int], busy: int) -> PlacementResult:
-    n = state.size
-    valid = state.card_valid[:n]
-    milli_free = state.card_milli_free[:n][valid]
-    mem_free = state.card_mem_free[:n][valid]
-    smallest_mem = min(p.gpu.memory_mib for p in offline if isinstance(p.gpu, Fraction))
-    smallest_milli = min(p.gpu.compute_milli for p in offline if isinstance(p.gpu, Fraction))
-    stranded_compute = milli_free[mem_free < smallest_mem].sum()
-    stranded_memory = mem_free[milli_free < smallest_milli].sum()
-    placed = len(pressures)
-    return PlacementResult(
-        policy, len(offline), placed,
-        round(float(np.average(pressures, weights=weights)), 4) if placed else 0.0,
-        round(busy * 100.0 / max(placed, 1), 3),
-        round(float(stranded_compute) * 100.0 / float(valid.sum() * MILLI_PER_CARD), 3),
-        round(float(stranded_memory) * 100.0 / max(float(state.card_mem_cap[:n][valid].sum()), 1.0), 3))
+class ColocationScenario:
+    name = "colocation"
+    title = "Co-location: online first, offline in the gaps"
+    settings = ColocationSettings
+    figures = ColocationFigures
+    ours = GUARD
+    arms = ARMS
+    goals = (
+        Goal("online p99 within 5 % of exclusive", "guard_p99_vs_exclusive_pct", "<=", 5.0),
+        Goal("offline uses at least 60 % of the idle time", "guard_offline_share_of_idle_pct", ">=", 60.0),
+        Goal("no online OOM that exclusive does not have", "guard_online_oom_added", "<=", 0.0),
+    )
+    headlines = (
+        Headline("guard_offline_share_of_idle_pct", "the guard polls every 50 ms (GuardOptions.poll_s)", "poll_s",
+                 0.2, "down"),
+        Headline("guard_offline_share_of_idle_pct", "offline resumes after 250 ms of online idle "
+                 "(GuardOptions.min_slice_s)", "min_slice_s", 1.0, "down"),
+        Headline("guard_p99_vs_exclusive_pct", "offline kernels already queued drain within 10 ms of SIGSTOP",
+                 "offline_drain_ms", 100.0, "up"),
+        Headline("kernel_offline_share_of_idle_pct", "a launch gate resumes offline after 5 ms of online idle",
+                 "kernel_gate_slice_ms", 50.0, "down"),
+        Headline("shared_online_oom_added", "every sharing arm admits offline work under the safety line",
+                 "admission", False, "up"),
+    )
+    quick: ClassVar[Mapping[str, object]] = {"hours": 0.5, "start_hour": 20.5}
+
+    def run(self, settings: ColocationSettings, progress: Progress) -> ColocationFigures:
+        return run_colocation(settings, progress)
+
+    def tables(self, figures: ColocationFigures) -> Sequence[Table]:
+        rows = []
+        for label, name in ROWS:
+            cells = []
+            for arm in SHARING:
+                value = getattr(figures, f"{PREFIX[arm]}_{name}", None)
+                cells.append("–" if value is None else f"{value:g}")
+            rows.append((label, *cells))
+        base = (("exclusive online p99 (ms)", f"{figures.exclusive_online_p99_ms:g}", "", ""),
+                ("exclusive online OOM events", str(figures.exclusive_online_oom), "", ""),
+                ("idle card time (%)", f"{figures.idle_pct:g}", "", ""))
+        return (Table("Arms against exclusive", SHARING, tuple(rows)),
+                Table("Exclusive (the reference)", ("value", "", ""), base))
+
+    def summary(self, figures: ColocationFigures) -> str:
+        return (f"guard: online p99 {figures.guard_p99_vs_exclusive_pct:+.2f} % against exclusive, offline uses "
+                f"{figures.guard_offline_share_of_idle_pct:.1f} % of the idle time, "
+                f"{figures.guard_online_oom_added} online OOM added; kernel gate: "
+                f"{figures.kernel_p99_vs_exclusive_pct:+.2f} %, {figures.kernel_offline_share_of_idle_pct:.1f} %")
+
+
+SCENARIO = ColocationScenario()
