@@ -29,15 +29,18 @@ from gpuplane.controllers.autoscale import (
     KedaActivation,
     PolicyKind,
     ReadingSource,
+    ScaledObjectScaler,
     ScaledObjectSpec,
     ScalerPolicy,
     ScalerReport,
     ScalingPolicy,
     ScalingRules,
     SelectPolicy,
+    ValuePerRequest,
     average_value_replicas,
     utilization_replicas,
 )
+from gpuplane.model import GpuplaneError
 
 PODS, PERCENT = PolicyKind.PODS, PolicyKind.PERCENT
 METRIC, LAST_GOOD, FALLBACK = ReadingSource.METRIC, ReadingSource.LAST_GOOD, ReadingSource.FALLBACK
@@ -589,3 +592,110 @@ def test_a_scale_down_in_the_period_never_turns_a_scale_up_into_a_scale_down() -
     # the count at 5 (the up limit is never below the current count); it must not drop to 4.
     hpa = Hpa(HpaSpec(min_replicas=0, max_replicas=5))
     assert [hpa.step(0.0, 1, 0), hpa.step(7.5, 0, 5), hpa.step(15.0, 5, 6)] == [0, 5, 5]
+
+
+# ------------------------------------------------------------------------------------ the value per request
+
+# (readings as (time, GPU value, request rate), then a new reading (value, rate), the estimate): half-life 600 s
+@pytest.mark.parametrize(("readings", "value", "rate", "expected"), [
+    ([], 50.0, 10.0, 50.0),                                # nothing learnt: the GPU value alone
+    ([(0.0, 70.0, 10.0)], 70.0, 30.0, 210.0),              # 7 per request/s: a flash crowd of 30/s reads 210
+    ([(0.0, 70.0, 10.0)], 80.0, 5.0, 80.0),                # the GPU value when it is the larger
+    ([(0.0, 70.0, 10.0)], 80.0, None, 80.0),               # no rate (a failed query): the GPU value
+    # 600 s later a sample of 5 per request/s: half way, (7 + 5) / 2 = 6; at 40/s: 240
+    ([(0.0, 70.0, 10.0), (600.0, 50.0, 10.0)], 100.0, 40.0, 240.0),
+    # samples with no value or no requests teach nothing (a service at zero replicas, or idle)
+    ([(0.0, 70.0, 10.0), (60.0, 0.0, 10.0), (120.0, 30.0, 0.0)], 0.0, 2.0, 14.0),
+])
+def test_value_per_request(readings: list[tuple[float, float, float]], value: float, rate: float | None,
+                           expected: float) -> None:
+    learnt = ValuePerRequest(600.0)
+    for now, v, r in readings:
+        learnt.learn(now, v, r)
+    assert learnt.estimate(value, rate) == pytest.approx(expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(samples=st.lists(st.tuples(st.floats(0.1, 1e4), st.floats(0.1, 1e3)), min_size=1, max_size=20),
+       value=st.floats(0.0, 1e4), rate=st.floats(0.0, 1e3))
+def test_the_estimate_is_never_below_the_gpu_value_and_the_ratio_stays_in_the_samples_range(
+        samples: list[tuple[float, float]], value: float, rate: float) -> None:
+    learnt = ValuePerRequest(300.0)
+    for i, (v, r) in enumerate(samples):
+        learnt.learn(15.0 * i, v, r)
+    ratios = [v / r for v, r in samples]
+    assert learnt.ratio is not None and min(ratios) * (1 - 1e-9) <= learnt.ratio <= max(ratios) * (1 + 1e-9)
+    assert learnt.estimate(value, rate) >= value
+
+
+# ------------------------------------------------------------------------------------ the decision path
+
+
+GPU = "sum(DCGM_FI_DEV_GPU_UTIL)"
+
+
+class Source:
+    """A metric source with fixed answers; a missing or None answer fails as Prometheus' empty result does."""
+
+    def __init__(self, answers: dict[str, float | None]) -> None:
+        self.answers = answers
+        self.asked: list[str] = []
+
+    def query(self, query: str, *, timeout_s: float | None = None) -> float:
+        self.asked.append(query)
+        value = self.answers.get(query)
+        if value is None:
+            raise GpuplaneError(f"query {query!r}: no data")
+        return value
+
+
+def test_the_decision_path_reuses_a_reading_within_the_query_interval() -> None:
+    scaler = ScaledObjectScaler(scaled(), min_query_interval_s=1.0)
+    source = Source({GPU: 140.0})
+    first = scaler.poll(0.0, source)
+    again = scaler.poll(0.5, source)
+    assert (first.fresh, again.fresh, again.report) == (True, False, first.report)
+    assert source.asked == [GPU]
+    assert scaler.replicas == 2  # ceil(140 / 70)
+    assert scaler.poll(1.0, source).fresh
+
+
+def test_the_demand_query_sees_a_flash_crowd_beyond_the_saturated_gpus() -> None:
+    scaler = ScaledObjectScaler(scaled(demand_query="rate", max_replicas=50), min_query_interval_s=0.0)
+    source = Source({GPU: 280.0, "rate": 40.0})  # 4 cards at 70 %: 7 per request/s
+    assert scaler.poll(0.0, source).report.value == 280.0
+    # the crowd: 4 cards saturated (400), 120 requests/s arriving; the estimate uses the ratio learnt so far
+    source.answers.update({GPU: 400.0, "rate": 120.0})
+    assert scaler.poll(15.0, source).report.value == pytest.approx(120.0 * 7)
+    assert scaler.replicas == 8  # the HPA's first step from 4: max(4 + 4, 4 × 2) = 8 towards ceil(840 / 70) = 12
+    # then the saturated sample 400 / 120 = 3.33 is learnt with weight 1 − 2^(−15/1800)
+    assert scaler.per_request.ratio == pytest.approx(7 * 0.5 ** (15 / 1800) + 400 / 120 * (1 - 0.5 ** (15 / 1800)))
+
+
+def test_a_failed_demand_query_leaves_the_gpu_value_and_says_why() -> None:
+    scaler = ScaledObjectScaler(scaled(demand_query="rate"), min_query_interval_s=0.0)
+    poll = scaler.poll(0.0, Source({GPU: 100.0}))
+    assert poll.report.value == 100.0 and poll.report.source is METRIC
+    assert poll.demand_error is not None and "no data" in poll.demand_error
+
+
+def test_the_activation_query_decides_idleness_even_while_the_gpu_query_fails() -> None:
+    # a non-production object at zero replicas: no GPU series at all, the gateway says no requests
+    spec = scaled(production=False, min_replicas=0, idle_cooldown_s=60.0, activation_query="gateway")
+    scaler = ScaledObjectScaler(spec, min_query_interval_s=0.0)
+    source = Source({"gateway": 3.0})
+    assert scaler.poll(0.0, source).report.active  # requests waiting: active, the GPU query failing
+    source.answers["gateway"] = 0.0
+    assert scaler.poll(30.0, source).report.active  # 30 s idle: within the cooldown
+    poll = scaler.poll(61.0, source)
+    assert not poll.report.active and poll.report.source is FALLBACK  # 61 s idle: inactive
+    assert scaler.replicas == 0
+
+
+def test_a_broken_source_does_not_raise_out_of_the_decision_path() -> None:
+    class Broken:
+        def query(self, query: str, *, timeout_s: float | None = None) -> float:
+            raise RuntimeError("bug")
+
+    poll = ScaledObjectScaler(scaled()).poll(0.0, Broken())
+    assert poll.report.source is FALLBACK and poll.report.error == "RuntimeError: bug"

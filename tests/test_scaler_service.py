@@ -199,6 +199,38 @@ def test_an_activation_query_decides_the_activity_of_a_non_production_object(
                for r in caplog.records)
 
 
+def test_the_activation_query_decides_while_the_gpu_query_has_no_data(
+        harness: Callable[..., Harness], stub: StubPrometheus) -> None:
+    # at zero replicas a query over the service's own pods has no series; the gateway still counts requests
+    rate = 'sum(rate(gateway_requests_total{service="batch"}[1m]))'
+    h = harness(obj("batch", production=False, min_replicas=0, activation_threshold=0.5, idle_cooldown_s=60,
+                    activation_query=rate))
+    stub.set(Q, EMPTY)
+    stub.set(rate, vector("0"))
+    h.clock.advance(61)
+    assert h.keda_poll("batch")[1] is False  # idle for 61 s by the gateway: inactive, though the GPU query fails
+    stub.set(rate, vector("2"))
+    h.clock.advance(1)
+    assert h.keda_poll("batch")[1] is True
+
+
+def test_a_demand_query_reports_a_crowd_the_saturated_gpus_cannot_show(
+        harness: Callable[..., Harness], stub: StubPrometheus, caplog: pytest.LogCaptureFixture) -> None:
+    rate = 'sum(rate(gateway_requests_total{service="llm"}[1m]))'
+    h = harness(obj(demand_query=rate, max_replicas=40))
+    stub.set(Q, vector("240"))  # 4 replicas at 60 % ...
+    stub.set(rate, vector("30"))  # ... serving 30 requests/s: 8 per request/s
+    assert h.metrics().keda_value == 240.0
+    stub.set(Q, vector("400"))  # saturated at 4 × 100 %
+    stub.set(rate, vector("90"))  # while 90 requests/s arrive
+    h.clock.advance(15)
+    assert h.metrics().keda_value == pytest.approx(720.0)  # 90 × 8: what 12 replicas at 60 % carry
+    stub.set(rate, BAD_PROMQL)
+    h.clock.advance(15)
+    assert h.metrics().keda_value == 400.0  # a failed demand query: the GPU value alone, and said so
+    assert any("demand query failed" in r.getMessage() for r in caplog.records)
+
+
 def test_a_production_object_does_not_run_its_activation_query(harness: Callable[..., Harness],
                                                                stub: StubPrometheus) -> None:
     h = harness(obj(activation_query="sum(rate(gateway_requests_total[1m]))"))
