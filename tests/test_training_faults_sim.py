@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpuplane.controllers.classifier import FailureClassifier
+from gpuplane.controllers.classifier import Classification, FailureClassifier
 from gpuplane.controllers.health import NodeHealth
 from gpuplane.controllers.recovery import QUARANTINE_TAINT, classify_incident, hang_suspects, nodes_to_isolate
 from gpuplane.model.failures import FailureAction
@@ -44,8 +46,8 @@ def maker() -> StreamMaker:
     return StreamMaker(LIBRARY, StreamModel())
 
 
-def _verdict_on(stream_model: StreamModel, category: str, root: str | None, seed: int = 1) -> tuple[Incident,
-                                                                                                   object]:
+def _verdict_on(stream_model: StreamModel, category: str, root: str | None,
+                seed: int = 1) -> tuple[Incident, Classification]:
     maker = StreamMaker(LIBRARY, stream_model)
     incident = Incident(category, NODES[3], root)
     rng = np.random.default_rng(seed)
@@ -74,15 +76,15 @@ def test_a_clean_cascade_is_decided_right(category: str, root: str) -> None:
     # the root on node-0003, its rank's CUDA error within ±2 s, peers' remote errors, every rank's echoes:
     # the controller takes out exactly node-0003 when the category is the node's fault, no node otherwise
     incident, verdict = _verdict_on(CLEAN, category, root)
-    assert decision_correct(incident, nodes_to_isolate(verdict)), (verdict.signature, verdict.blamed_nodes)  # type: ignore[attr-defined]
+    assert decision_correct(incident, nodes_to_isolate(verdict)), (verdict.signature, verdict.blamed_nodes)
 
 
 def test_a_silent_network_hang_is_localised_by_the_rank_behind() -> None:
     # nothing blames a node: every rank times out; node-0003's ranks completed one NCCL op fewer
     incident, verdict = _verdict_on(CLEAN, "network", None)
-    assert nodes_to_isolate(verdict) == ()  # type: ignore[arg-type]
-    assert verdict.action is FailureAction.RESTART_JOB  # type: ignore[attr-defined]
-    assert hang_suspects(verdict) == (incident.node,)  # type: ignore[arg-type]
+    assert nodes_to_isolate(verdict) == ()
+    assert verdict.action is FailureAction.RESTART_JOB
+    assert hang_suspects(verdict) == (incident.node,)
 
 
 def test_a_skewed_peer_can_log_the_first_error() -> None:
@@ -98,6 +100,24 @@ def test_a_skewed_peer_can_log_the_first_error() -> None:
         earlier += any(e.node != NODES[3] and e.t is not None and e.t < root.t
                        and any(p in str(e.line) for p in peer_errors) for e in stream)
     assert 0 < earlier < 20
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(CATEGORIES), st.floats(0.0, 60.0), st.integers(2, 12))
+def test_every_stream_is_in_time_order_on_the_jobs_nodes(seed: int, category: str, skew: float, n: int) -> None:
+    maker = StreamMaker(LIBRARY, StreamModel(noise_lines=50, clock_skew_s=skew))
+    rng = np.random.default_rng(seed)
+    nodes = NODES[:n] if n <= len(NODES) else [f"node-{i:04d}" for i in range(n)]
+    incident = maker.incident(rng, category, nodes[0])
+    stream = maker.stream(rng, incident, nodes, 1e6)
+    times = [e.t for e in stream]
+    assert all(t is not None for t in times) and times == sorted(times)  # type: ignore[type-var]
+    assert {e.node for e in stream} <= set(nodes)
+    # every node's ranks end the same way: each node logs one -6 exit
+    assert sorted(e.node for e in stream if e.exit_code == -6) == sorted(nodes)
+    if incident.root is not None:  # the root cause's line is on the failing node
+        examples = set(LIBRARY[incident.root].examples)
+        assert any(e.node == nodes[0] and e.line in examples for e in stream)
 
 
 # (category, isolated, correct)

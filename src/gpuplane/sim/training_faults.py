@@ -604,9 +604,9 @@ class TrainingFaultsScenario:
     settings = TrainingFaultsSettings
     figures = TrainingFaultsFigures
     ours = "platform"
-    arms = ("baseline", "platform")
-    goals = (Goal("platform ETTR at equal rates", "platform_ettr_pct", ">=", 99.5),)
-    headlines = (
+    arms: tuple[str, ...] = ("baseline", "platform")
+    goals: tuple[Goal, ...] = (Goal("platform ETTR at equal rates", "platform_ettr_pct", ">=", 99.5),)
+    headlines: tuple[Headline, ...] = (
         Headline("platform_ettr_pct", "the fleet fails 0.4 % of nodes a day (Llama 3), the same for both arms",
                  "failure_rate_per_node_day", 0.02, "down"),
         Headline("platform_ettr_pct", "a save blocks the job 10 s (the job's checkpointing, both arms)",
