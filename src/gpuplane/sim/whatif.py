@@ -223,7 +223,7 @@ def replay(snapshot: Snapshot, catalog: Catalog, policy: str, settings: WhatIfSe
         arrived[pending.name] = 0.0
         cluster.create_pod(pending.request)
     scheduler.run_pending(record)
-    placed_at_once = len(snapshot.pending) - sum(1 for p in snapshot.pending if p.name in arrived)
+    placed_at_once = sum(1 for p in snapshot.pending if p.name not in arrived and p.name not in cluster.failed)
     after_pending = unallocated()
 
     def arrive(arrival: _Arrival) -> None:
