@@ -5,6 +5,7 @@ else, keeps another stack's cards held, draws the same continuation for every po
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +22,12 @@ from gpuplane.sim.whatif import WhatIfSettings, compare, draw, replay
 
 CATALOG = default_catalog()
 FIXTURE = Path(__file__).parent / "fixtures" / "snapshot" / "cluster.json"
-QUICK = {"hours": 2.0, "sample_every_s": 300.0}
+QUICK = WhatIfSettings(hours=2.0, sample_every_s=300.0)
+
+
+def quick(**changes: float) -> WhatIfSettings:
+    """The quick settings (2 h, a sample every 5 min) with `changes`."""
+    return QUICK.model_copy(update=changes)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +37,7 @@ def snap() -> Snapshot:
 
 @pytest.mark.parametrize("policy", ["binpack", "spread", "fgd-used"])
 def test_running_pods_are_bound_where_they_are_before_anything_else(snap: Snapshot, policy: str) -> None:
-    result = replay(snap, CATALOG, policy, WhatIfSettings(**QUICK), record_binds=True)
+    result = replay(snap, CATALOG, policy, QUICK, record_binds=True)
     first = result.binds[:len(snap.running)]
     assert [(b.at, b.pod, b.assignment) for b in first] == [(0.0, p.name, p.assignment) for p in snap.running]
     assert not {b.pod for b in result.binds[len(snap.running):]} & {p.name for p in snap.running}
@@ -50,7 +56,7 @@ def test_the_pending_pods_tried_at_once(snap: Snapshot, policy: str) -> None:
     # Capacity 8 + 4 + 8 = 20 GPUs. Held at the start: train-llm-0 4, the two embed halves 1, eval-2 1,
     # notebook-3 0.3, the other stack's 2 cards: 8.3. The 8-card pod fits nowhere (the A100 node has 4 whole cards
     # free); finetune-1 (2 whole), the embed half and the 0.3 notebook fit: 8.3 + 2.8 = 11.1 held, 44.5 % free.
-    result = replay(snap, CATALOG, policy, WhatIfSettings(**QUICK))
+    result = replay(snap, CATALOG, policy, QUICK)
     assert (result.pending_at_start, result.pending_placed_at_once) == (4, 3)
     assert result.unallocated_after_pending_pct == pytest.approx(44.5)
 
@@ -58,12 +64,12 @@ def test_the_pending_pods_tried_at_once(snap: Snapshot, policy: str) -> None:
 def test_lifetimes_and_the_arrival_rate_come_from_the_running_pods(snap: Snapshot) -> None:
     # Ages of gpuplane's five running pods at 10:00:00: 11993 s, 6267.88 s and 6267.60 s (the embed pods' epoch
     # stamps), 3286 s, 2359 s; mean 30173.48 / 5 = 6034.70 s. Steady arrivals: 5 pods / 6034.70 s = 2.983/h.
-    base = draw(snap, WhatIfSettings(**QUICK))
+    base = draw(snap, QUICK)
     assert base.mean_lifetime_s == pytest.approx(6034.70, abs=0.01)
     assert base.rate_per_s * 3600 == pytest.approx(2.983, abs=0.001)
-    assert draw(snap, WhatIfSettings(**QUICK, load_scale=2.0)).rate_per_s == pytest.approx(2 * base.rate_per_s)
+    assert draw(snap, quick(load_scale=2.0)).rate_per_s == pytest.approx(2 * base.rate_per_s)
     # A known lifetime of 1800 s instead: 5 / 1800 s = 10 pods an hour.
-    assert draw(snap, WhatIfSettings(**QUICK, mean_lifetime_s=1800.0)).rate_per_s * 3600 == pytest.approx(10.0)
+    assert draw(snap, quick(mean_lifetime_s=1800.0)).rate_per_s * 3600 == pytest.approx(10.0)
     running = {p.name for p in snap.running_of(Stack.GPUPLANE)}
     assert set(base.remaining_s) == running and all(t >= 60.0 for t in base.remaining_s.values())
 
@@ -82,11 +88,11 @@ def test_the_continuation_is_drawn_from_the_snapshots_own_pods(snap: Snapshot) -
 
 def test_the_figures_are_reproducible_for_a_seed(snap: Snapshot) -> None:
     policies = ["binpack", "fgd-used"]
-    once = compare(snap, CATALOG, policies, WhatIfSettings(**QUICK, seed=7))
-    again = compare(snap, CATALOG, policies, WhatIfSettings(**QUICK, seed=7))
+    once = compare(snap, CATALOG, policies, quick(seed=7))
+    again = compare(snap, CATALOG, policies, quick(seed=7))
     assert once == again
-    other = draw(snap, WhatIfSettings(**QUICK, seed=8))
-    assert [a.at for a in other.arrivals] != [a.at for a in draw(snap, WhatIfSettings(**QUICK, seed=7)).arrivals]
+    other = draw(snap, quick(seed=8))
+    assert [a.at for a in other.arrivals] != [a.at for a in draw(snap, quick(seed=7)).arrivals]
 
 
 def test_every_policy_sees_the_same_draws(snap: Snapshot) -> None:
@@ -107,7 +113,7 @@ def test_every_pod_that_arrives_is_placed_pending_or_failed(snap: Snapshot, seed
 
 def test_an_unknown_policy_is_refused(snap: Snapshot) -> None:
     with pytest.raises(GpuplaneError, match="no-such-policy"):
-        replay(snap, CATALOG, "no-such-policy", WhatIfSettings(**QUICK))
+        replay(snap, CATALOG, "no-such-policy", QUICK)
 
 
 def _app() -> typer.Typer:
@@ -116,8 +122,8 @@ def _app() -> typer.Typer:
     @app.command("simulate")
     def simulate(snapshot: Path, policy: str = "binpack", compare: list[str] | None = None, seed: int | None = None,
                  hours: float = 8.0, set_: Annotated[list[str] | None, typer.Option("--set")] = None,
-                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-        snapshot_cmd.simulate_snapshot(snapshot, policy, compare or [], seed, hours, set_ or [], as_json)
+                 as_json: Annotated[bool, typer.Option("--json")] = False, seeds: str | None = None) -> None:
+        snapshot_cmd.simulate_snapshot(snapshot, policy, compare or [], seed, hours, set_ or [], as_json, seeds)
 
     @app.command("other")
     def other() -> None:
@@ -134,14 +140,29 @@ def test_simulate_snapshot_reports_each_policy(tmp_path: Path) -> None:
                                     "--hours", "2", "--set", "load_scale=1.5", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["settings"]["seed"] == 42 and data["settings"]["load_scale"] == 1.5
-    assert [r["policy"] for r in data["results"]] == ["fgd-used/fgd", "binpack/binpack"]
+    assert data["seeds"] == [42] and data["settings"]["load_scale"] == 1.5
+    assert [r["policy"] for r in data["results"][0]] == ["fgd-used/fgd", "binpack/binpack"]
     table = runner.invoke(_app(), ["simulate", str(FIXTURE), "--compare", "spread", "--hours", "2"],
                           env={"COLUMNS": "160"})
     assert table.exit_code == 0, table.output
-    assert "pending placed at once" in table.output and "3 of 4" in table.output
+    assert re.search(r"pending placed at once\s*│\s*3\s*│\s*3\s*│", table.output), table.output  # 3 of the 4
     bad = runner.invoke(_app(), ["simulate", str(FIXTURE), "--set", "load_scale=0"])
     assert bad.exit_code == 2 and "load_scale" in bad.output
+
+
+def test_simulate_snapshot_over_seeds_shows_medians_and_ranges(snap: Snapshot) -> None:
+    result = CliRunner().invoke(_app(), ["simulate", str(FIXTURE), "--compare", "spread", "--hours", "2", "--seeds",
+                                         "1-3", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["seeds"] == [1, 2, 3] and len(data["results"]) == 3
+    # Each seed's figures are that seed's replay, the same as the function gives.
+    expected = compare(snap, CATALOG, ["binpack", "spread"], WhatIfSettings(hours=2.0, seed=2))
+    assert [r["unallocated_pct"] for r in data["results"][1]] == [r.unallocated_pct for r in expected]
+    table = CliRunner().invoke(_app(), ["simulate", str(FIXTURE), "--hours", "2", "--seeds", "1-3"],
+                               env={"COLUMNS": "160"})
+    assert table.exit_code == 0, table.output
+    assert "seeds 1–3 (3): median [min–max]" in table.output
 
 
 def _snapshot_app() -> typer.Typer:

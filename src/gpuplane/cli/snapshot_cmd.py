@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,6 +20,7 @@ from gpuplane.kube.api import ApiError, KubeConfigError, connect_api
 from gpuplane.kube.objects import format_time
 from gpuplane.kube.snapshot import CLUSTER_FILE, Snapshot, Stack, load_api, load_files, load_snapshot
 from gpuplane.model import MILLI_PER_CARD, GpuplaneError, default_catalog
+from gpuplane.sim.scenario.sweep import Spread, parse_seeds
 from gpuplane.sim.whatif import WhatIfResult, WhatIfSettings, Written, compare, write_snapshot
 
 out = Console()
@@ -122,50 +123,59 @@ def print_snapshot(snap: Snapshot, written: Written) -> None:
 
 # ------------------------------------------------------------------ simulate --snapshot
 def simulate_snapshot(path: Path, policy: str, compare_with: Sequence[str], seed: int | None, hours: float,
-                      assignments: Sequence[str], as_json: bool) -> None:
+                      assignments: Sequence[str], as_json: bool, seeds: str | None = None) -> None:
     """`gpuplane simulate --snapshot DIR --policy A --compare B …`: the what-if replay of DIR (what `gpuplane
-    snapshot --out` wrote, or a dump as `--from` reads it) under each policy, with the same draws."""
+    snapshot --out` wrote, or a dump as `--from` reads it) under each policy, with the same draws; `seeds` (`1-10`)
+    replays each seed and reports medians with their range."""
     catalog = default_catalog()
     try:
-        settings = scenario_settings(WhatIfSettings, None, [f"hours={hours}", *assignments,
-                                                            f"seed={DEFAULT_SEED if seed is None else seed}"])
-        assert isinstance(settings, WhatIfSettings)
+        runs = parse_seeds(seeds) if seeds is not None else (DEFAULT_SEED if seed is None else seed,)
+        base = scenario_settings(WhatIfSettings, None, [f"hours={hours}", *assignments, f"seed={runs[0]}"])
+        assert isinstance(base, WhatIfSettings)
         snap = load_snapshot(path, catalog)
-        results = compare(snap, catalog, [policy, *compare_with], settings)
+        results = [compare(snap, catalog, [policy, *compare_with], base.model_copy(update={"seed": s}))
+                   for s in runs]
     except GpuplaneError as exc:
         fail(str(exc))
     if as_json:
-        print(json.dumps({"snapshot": str(path), "settings": settings.model_dump(),
-                          "results": [{k: v for k, v in asdict(r).items() if k != "binds"} for r in results]}))
+        print(json.dumps({"snapshot": str(path), "settings": base.model_dump(exclude={"seed"}), "seeds": list(runs),
+                          "results": [[{k: v for k, v in asdict(r).items() if k != "binds"} for r in per_seed]
+                                      for per_seed in results]}))
         return
-    print_whatif(snap, settings, results)
+    print_whatif(base, runs, results)
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.0f} s" if value < 600 else f"{value / 60:.0f} min"
+ROWS: tuple[tuple[str, Callable[[WhatIfResult], float | None]], ...] = (
+    ("pending placed at once", lambda r: r.pending_placed_at_once),
+    ("unallocated GPU after them, %", lambda r: r.unallocated_after_pending_pct),
+    ("unallocated GPU, mean %", lambda r: r.unallocated_pct),
+    ("unallocated while pods wait, %", lambda r: r.unallocated_while_waiting_pct),
+    ("placed", lambda r: r.placed),
+    ("pending at the end", lambda r: r.pending_at_end),
+    ("wait p50, min", lambda r: r.wait_p50_s / 60),
+    ("wait p95, min", lambda r: r.wait_p95_s / 60),
+)
+"""What `simulate --snapshot` shows per policy (with several seeds: median [min–max])."""
 
 
-def print_whatif(snap: Snapshot, settings: WhatIfSettings, results: Sequence[WhatIfResult]) -> None:
-    first = results[0]
+def print_whatif(settings: WhatIfSettings, seeds: Sequence[int], results: Sequence[Sequence[WhatIfResult]]) -> None:
+    first = results[0][0]
+    where = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}–{seeds[-1]} ({len(seeds)}): " \
+        "median [min–max]"
+    arrivals = Spread.of([r[0].arrivals for r in results])
     out.print(f"what-if: {first.running} running pods in place, {first.pending_at_start} pending, then "
-              f"{settings.hours:g} h of arrivals drawn from the snapshot's pods ({first.arrivals} pods, "
-              f"{first.arrivals_per_hour:.2f}/h, mean lifetime {_seconds(first.mean_lifetime_s)}, "
-              f"load x{settings.load_scale:g}, seed {settings.seed})", soft_wrap=True)
+              f"{settings.hours:g} h of arrivals drawn from the snapshot's pods ({arrivals.show(0)} pods, "
+              f"{first.arrivals_per_hour:.2f}/h, mean lifetime {first.mean_lifetime_s / 60:.0f} min, "
+              f"load x{settings.load_scale:g}); {where}", soft_wrap=True, markup=False)
     table = Table(title="gpuplane simulate --snapshot")
     table.add_column("")
-    for result in results:
+    for result in results[0]:
         table.add_column(result.policy, justify="right")
-    rows: list[tuple[str, list[str]]] = [
-        ("pending placed at once", [f"{r.pending_placed_at_once} of {r.pending_at_start}" for r in results]),
-        ("unallocated GPU after them", [f"{r.unallocated_after_pending_pct:.1f} %" for r in results]),
-        ("unallocated GPU, mean", [f"{r.unallocated_pct:.1f} %" for r in results]),
-        ("unallocated while pods wait", ["-" if r.unallocated_while_waiting_pct is None else
-                                         f"{r.unallocated_while_waiting_pct:.1f} %" for r in results]),
-        ("placed", [str(r.placed) for r in results]),
-        ("pending at the end", [str(r.pending_at_end) for r in results]),
-        ("wait p50", [_seconds(r.wait_p50_s) for r in results]),
-        ("wait p95", [_seconds(r.wait_p95_s) for r in results]),
-    ]
-    for label, values in rows:
-        table.add_row(label, *values)
+    for label, value in ROWS:
+        cells = []
+        for i in range(len(results[0])):
+            values = [v for per_seed in results if (v := value(per_seed[i])) is not None]
+            whole = label in ("pending placed at once", "placed", "pending at the end")
+            cells.append(Spread.of(values).show(0 if whole else 1) if values else "-")
+        table.add_row(label, *cells)
     out.print(table)
