@@ -234,6 +234,18 @@ def test_non_production_scales_to_zero_at_night_and_back_in_working_hours() -> N
     assert dev.demand[(clock_h > 9.1) & (clock_h < 19)].min() > 0
 
 
+def test_external_push_wakes_a_service_from_zero_sooner_than_keda_s_poll() -> None:
+    def first_ready_after_nine(**changes: Any) -> float:
+        _, runs = _arm("gpu-scaler", keda_polling_s=300.0, **changes)
+        clock_s = np.arange(len(runs[-1].ready)) * QUICK.tick_s
+        return float(clock_s[(clock_s >= 9 * 3600) & (runs[-1].ready > 0)][0]) - 9 * 3600
+
+    polled, pushed = first_ready_after_nine(), first_ready_after_nine(keda_external_push=True)
+    # a poll every 300 s wakes it up to 300 s late, plus the 60 s start-up; the stream within a scrape or two
+    assert pushed < polled
+    assert 60.0 <= pushed <= 60.0 + 2 * QUICK.scrape_interval_s + QUICK.tick_s
+
+
 def test_the_gpu_scaler_arm_runs_the_shipping_decision_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # replace what ScaledObjectScaler reports: the arm's replicas must follow it, so the arm has no copy
     calls = []

@@ -118,6 +118,8 @@ class AutoscaleSettings(ScenarioSettings):
     keda_polling_s: float = Field(default=KEDA_POLLING_S, gt=0, description="KEDA's pollingInterval")
     keda_use_cached_metrics: bool = Field(default=False, description=(
         "KEDA's useCachedMetrics: the HPA gets the value of KEDA's last poll instead of a fresh reading"))
+    keda_external_push: bool = Field(default=False, description=(
+        "the trigger is external-push: the scaler's StreamIsActive wakes a service from zero between polls"))
     keda_cooldown_s: float = Field(default=300.0, ge=0, description="KEDA's cooldownPeriod (to zero)")
     idle_cooldown_s: float = Field(default=300.0, ge=0, description="the scaler's idle cooldown (non-production)")
     activation_window_s: float = Field(default=60.0, gt=0, description="the gateway queries' rate() window")
@@ -369,6 +371,9 @@ def _gpu_scaler(s: AutoscaleSettings, load: ServiceLoad, rng: np.random.Generato
             to = keda.target(now, report.active, pool.total)
             if to is not None:
                 pool.set(now, to)
+        elif s.keda_external_push and pool.total == 0 and scaler.poll(now, prometheus).report.active:
+            # StreamIsActive (the scaler re-reads every min_query_interval_s): KEDA wakes it between polls
+            pool.set(now, keda.target(now, True, 0) or 1)
         if sync.due(now) and pool.total >= 1:  # KEDA's HPA, 1 <-> N
             if s.keda_use_cached_metrics and polled is not None:
                 value = polled
