@@ -14,9 +14,10 @@ a pass with each service's load over the last minute (what a 1-minute Prometheus
 `history_days` of the same observations before the run; never the load to come nor its noise-free shape.
 
 Load (`gpuplane.sim.scenario.load`, per service): the kit's diurnal shape × lognormal noise per
-`noise_minutes` × Poisson flash crowds. A replica serves `per_replica_capacity` requests/s once it has
-been up `startup_s`. SLOs are checked every `slo_check_s` (at most a minute): a service-minute violates
-when the load exceeds its serving replicas' capacity.
+`noise_minutes` × Poisson flash crowds, each service's own (`bursts_per_day`) and cluster-wide ones
+that hit every service at once (`shared_bursts_per_day`). A replica serves `per_replica_capacity`
+requests/s once it has been up `startup_s`. SLOs are checked every `slo_check_s` (at most a minute): a
+service-minute violates when the load exceeds its serving replicas' capacity.
 
 Training: each job is the kit's `CheckpointingJob` (a save takes `checkpoint_cost_s` during which the job
 makes no progress; every `checkpoint_every_s` of work; a lead save `checkpoint_lead_s` before a lent
@@ -28,6 +29,7 @@ resubmitted with the work it kept.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -113,6 +115,8 @@ class TidalSettings(WorldSettings):
     noise_cv: float = Field(default=0.05, ge=0, le=1, description="multiplicative noise per noise_minutes window")
     noise_minutes: float = Field(default=10.0, gt=0)
     bursts_per_day: float = Field(default=0.5, ge=0, description="unforeseen flash crowds per service per day")
+    shared_bursts_per_day: float = Field(default=0.5, ge=0,
+                                         description="flash crowds that hit every service at once, per day")
     burst_factor: float = Field(default=2.0, ge=1)
     burst_minutes: float = Field(default=20.0, gt=0)
     per_replica_capacity: float = Field(default=10.0, gt=0, description="requests/s one replica serves")
@@ -295,8 +299,15 @@ def build_inputs(settings: TidalSettings) -> Inputs:
     services = build_services(settings, rng)
     offset = settings.history_days * DAY_S
     model = settings.load_model()
-    curves = {s.name: sample_load(model, days=settings.history_days + settings.days, mean=s.mean_rate, rng=rng)
-              for s in services}
+    days = settings.history_days + settings.days
+    curves = {s.name: sample_load(model, days=days, mean=s.mean_rate, rng=rng) for s in services}
+    # Cluster-wide flash crowds: the kit's bursts on a flat curve, multiplied into every service's load.
+    shared = sample_load(LoadModel(noise_cv=0.0, peak_trough_ratio=1.0, bursts_per_day=settings.shared_bursts_per_day,
+                                   burst_factor=settings.burst_factor, burst_minutes=settings.burst_minutes),
+                         days=days, mean=1.0, rng=rng)
+    curves = {name: dataclasses.replace(c, burst=c.burst * shared.burst, value=c.value * shared.burst,
+                                        bursts=tuple(sorted(c.bursts + shared.bursts)))
+              for name, c in curves.items()}
     return Inputs(tuple(services), build_policy(settings, services), curves, offset)
 
 
@@ -691,6 +702,9 @@ class TidalScenario:
                  "if the reclaim grace covers it", "checkpoint_cost_s", 300.0, "up"),
         Headline("lost_to_reclaim_gpu_h", "training saves when told to stop (SIGTERM handler)",
                  "save_on_signal", False, "up"),
+        Headline("slo_minutes_added", "cluster-wide flash crowds are rare (0.5 a day): one at night needs lent "
+                 "nodes back, which takes the reclaim grace and a replica's start-up", "shared_bursts_per_day",
+                 3.0, "up"),
     )
     quick: Mapping[str, object] = {"days": 2.0, "inference_nodes": 20, "training_nodes": 4, "services": 4,
                                    "job_nodes": (1, 2), "training_backlog": 4}
