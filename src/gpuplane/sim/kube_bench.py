@@ -9,13 +9,12 @@ outside the watch streams come from the server itself.
 
 The API server's own ceiling (`ceiling=True`): the same pipeline with the scheduler replaced by a client that
 decides nothing: it watches the pods and, for each, sends what the scheduler sends for a bind (PATCH of the
-assignment, POST of the Binding, POST of the `Scheduled` event), over keep-alive connections from several
-threads. What that reaches is the most any scheduler could get through this API server.
+assignment, POST of the Binding, POST of the `Scheduled` event) with the scheduler's own client (`RestKubeApi`)
+from several threads. What that reaches is the most any scheduler could get through this API server.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import multiprocessing
 import os
@@ -30,7 +29,6 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -171,14 +169,14 @@ def _create(api: RestKubeApi, pods: Sequence[PodRequest], threads: int, rate: fl
 
 # ------------------------------------------------------------------ the ceiling's replaying client
 def _replay(url: str, threads: int, resource_version: str, conn: Connection) -> None:
-    """Watch the pods; for each new one PATCH its assignment, POST its Binding and an event (no decisions)."""
+    """Watch the pods; for each new one PATCH its assignment, POST its Binding and an event (no decisions), with
+    the scheduler's own client (`RestKubeApi`'s write path), so the ceiling is the API server's, not a slower
+    client's."""
     api = RestKubeApi.from_url(url)
     work: list[JsonObject] = []
     ready = threading.Condition()
-    host, port = urlsplit(url).hostname or "127.0.0.1", urlsplit(url).port or 80
 
     def lane() -> None:
-        connection = http.client.HTTPConnection(host, port)
         node = 0
         while True:
             with ready:
@@ -190,13 +188,13 @@ def _replay(url: str, threads: int, resource_version: str, conn: Connection) -> 
             name = pod["metadata"]["name"]
             node = (node + 1) % 1000
             assignment = json.dumps({"node": f"gpu-node-{node:05d}", "cards": [[0, 1000]]})
-            _send(connection, "PATCH", pod_path(NAMESPACE, name), {"metadata": {
+            api.patch(pod_path(NAMESPACE, name), {"metadata": {
                 "resourceVersion": pod["metadata"]["resourceVersion"],
-                "annotations": {"gpuplane.io/assignment": assignment}}}, "application/merge-patch+json")
-            _send(connection, "POST", pod_path(NAMESPACE, name, "binding"), {
+                "annotations": {"gpuplane.io/assignment": assignment}}})
+            api.create(pod_path(NAMESPACE, name, "binding"), {
                 "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "namespace": NAMESPACE},
                 "target": {"apiVersion": "v1", "kind": "Node", "name": f"gpu-node-{node:05d}"}})
-            _send(connection, "POST", f"/apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events", {
+            api.create(f"/apis/events.k8s.io/v1/namespaces/{NAMESPACE}/events", {
                 "apiVersion": "events.k8s.io/v1", "kind": "Event",
                 "metadata": {"name": f"{name}.{time.time_ns():x}", "namespace": NAMESPACE},
                 "reason": "Scheduled", "action": "Binding", "type": "Normal",
@@ -221,16 +219,6 @@ def _replay(url: str, threads: int, resource_version: str, conn: Connection) -> 
                 break
     except ApiError:
         pass
-
-
-def _send(connection: http.client.HTTPConnection, method: str, path: str, body: JsonObject,
-          content_type: str = "application/json") -> None:
-    payload = json.dumps(body).encode()
-    connection.request(method, path, payload, {"Content-Type": content_type, "Accept": "application/json"})
-    response = connection.getresponse()
-    response.read()
-    if response.status >= 300:
-        raise RuntimeError(f"{method} {path}: {response.status}")
 
 
 # ------------------------------------------------------------------ one run
