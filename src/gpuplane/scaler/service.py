@@ -8,8 +8,9 @@ configured scaled object (keyed by the ScaledObjectRef's namespace and name) the
   pair of one poll costs one query) and feeds the reading, or the failure, to the object's
   `ScaledObjectScaler` (`gpuplane.controllers.autoscale`, the decision path the autoscaling scenario
   drives): a failed reading (Prometheus down, invalid PromQL, an empty result from a dead exporter) is
-  never read as zero: the last good value is reported for `failure_threshold`
-  readings, then the fallback `target × fallback_replicas`, and the object stays active;
+  never read as zero: the last good value is reported for `failure_threshold` readings, then the fallback
+  `target × fallback_replicas`, and the object stays active; with a `demand_query` (the gateway's request
+  rate) the value is the larger of the GPU value and rate × the GPU value per request learnt from readings;
 - reports the value in both `metricValue` (int64, rounded) and `metricValueFloat` (KEDA reads the float
   only when it is > 0), and the activity (production objects are always active; a non-production one
   turns inactive after `idle_cooldown_s` without a value above its activation threshold: the value of its
