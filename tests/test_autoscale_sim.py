@@ -302,8 +302,9 @@ def test_the_figures_are_consistent() -> None:
     f = quick()
     assert f.static_peak_gpu_hours > f.gpu_scaler_gpu_hours > f.demand_gpu_hours
     assert f.oracle_gpu_hours >= f.demand_gpu_hours / 0.7 - 1e-6
-    assert f.gpu_scaler_gpu_hours_saved_vs_static_peak_pct == pytest.approx(
-        100 * (1 - f.gpu_scaler_gpu_hours / f.static_peak_gpu_hours))
+    # the oracle holds the least an autoscaler at the target can; static-peak the most anyone does
+    assert f.oracle_gpu_hours < f.gpu_scaler_gpu_hours and f.oracle_gpu_hours < f.cpu_hpa_gpu_hours
+    assert 0 < f.gpu_scaler_gpu_hours_saved_vs_static_peak_pct < 100
     assert 0 <= f.gpu_scaler_unserved_pct < 100 and f.gpu_scaler_shortage_minutes >= 0
     assert len(f.trace_names) == 2 and len(f.trace_ready[0]) == 4
     assert len(f.trace_demand[0]) == QUICK.days * 24 * 60  # one point a minute
