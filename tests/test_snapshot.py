@@ -126,6 +126,44 @@ def test_the_order_of_the_dump_does_not_matter(snap: Snapshot, order: list[int])
     assert read_objects([("shuffled", [(i["kind"], i) for i in shuffled])], CATALOG) == snap
 
 
+def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path into `obj` (keys and indexes), the kind excepted (it chooses the codec)."""
+    found = [prefix] if prefix and prefix != ("kind",) else []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found += _paths(value, (*prefix, key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            found += _paths(value, (*prefix, i))
+    return found
+
+
+JUNK = st.sampled_from([None, 0, -1, 1.5, "", "x", "-3", [], {}, [1], {"a": 1}, True, "1e400", "9" * 30, "DELETE"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), JUNK)
+def test_a_damaged_dump_is_read_whole_or_refused_by_name(data: st.DataObject, junk: Any) -> None:
+    doc = fixture_doc()
+    items = doc["items"]
+    item = data.draw(st.integers(0, len(items) - 1))
+    path = data.draw(st.sampled_from(_paths(items[item])))
+    target = items[item]
+    for key in path[:-1]:
+        target = target[key]
+    if junk == "DELETE" and isinstance(target, dict):
+        del target[path[-1]]
+    else:
+        target[path[-1]] = junk
+    try:
+        read = read_objects([("dump.json", [(i["kind"], i) for i in items])], CATALOG)
+    except SnapshotError as exc:
+        assert exc.problems and all(p.source == "dump.json" and p.obj and p.field for p in exc.problems)
+        return
+    # Read whole: and what `gpuplane snapshot` keeps of it reads the same.
+    assert read_objects([("kept", [(o["kind"], o) for o in read.objects])], CATALOG) == read
+
+
 # ------------------------------------------------------------------ bad dumps
 Mutation = Callable[[Doc], None]
 

@@ -287,7 +287,7 @@ class _Reader:
             if str(allocatable.get(RES_GPU, "0")).strip() not in ("0", "") and INVENTORY not in annotations_of(obj):
                 self.problem(source, label, f"metadata.annotations[{INVENTORY}]",
                              f"missing on a node offering {RES_GPU} (its cards are unknown: is the node agent up?)")
-        for condition in (status.get("conditions") or []) if isinstance(status, Mapping) else []:
+        for condition in _list(status.get("conditions")) if isinstance(status, Mapping) else []:
             if isinstance(condition, Mapping):
                 self._time(condition.get("lastHeartbeatTime"))
         try:
@@ -458,6 +458,11 @@ _POD_SPEC_FIELDS = ("nodeName", "schedulerName", "priority", "priorityClassName"
                     "overhead", "resources")
 
 
+def _list(value: object) -> list[Any]:
+    """A list as it is; anything else (absent, or malformed: the codec names it) as no items."""
+    return value if isinstance(value, list) else []
+
+
 def _ours(annotations: object) -> dict[str, Any]:
     if not isinstance(annotations, Mapping):
         return {}
@@ -466,10 +471,12 @@ def _ours(annotations: object) -> dict[str, Any]:
 
 def _container(raw: Mapping[str, Any]) -> JsonObject:
     kept: JsonObject = {k: raw[k] for k in ("name", "resources", "restartPolicy") if k in raw}
-    ports = [{"hostPort": p["hostPort"]} for p in raw.get("ports") or []
-             if isinstance(p, Mapping) and p.get("hostPort")]
-    if ports:
-        kept["ports"] = ports
+    ports = raw.get("ports")
+    if not isinstance(ports, list):
+        if ports is not None:
+            kept["ports"] = ports  # malformed: kept for the codec to name
+    elif any(isinstance(p, Mapping) and p.get("hostPort") for p in ports):
+        kept["ports"] = [{"hostPort": p["hostPort"]} for p in ports if isinstance(p, Mapping) and p.get("hostPort")]
     return kept
 
 
@@ -485,7 +492,7 @@ def trimmed(kind: str, obj: Mapping[str, Any]) -> JsonObject:
     new_meta["annotations"] = _ours(meta.get("annotations"))
     if kind == "Node":
         conditions = [{"type": c.get("type"), "lastHeartbeatTime": c.get("lastHeartbeatTime")}
-                      for c in status.get("conditions") or [] if isinstance(c, Mapping)]
+                      for c in _list(status.get("conditions")) if isinstance(c, Mapping)]
         new_status: JsonObject = {k: status[k] for k in ("allocatable",) if k in status}
         if conditions:
             new_status["conditions"] = conditions
@@ -495,9 +502,13 @@ def trimmed(kind: str, obj: Mapping[str, Any]) -> JsonObject:
     for name in ("initContainers", "containers"):
         if isinstance(spec.get(name), list):
             new_spec[name] = [_container(c) if isinstance(c, Mapping) else c for c in spec[name]]
-    volumes = [{"name": v.get("name"), **{k: v[k] for k in ("persistentVolumeClaim", "ephemeral") if k in v}}
-               for v in spec.get("volumes") or [] if isinstance(v, Mapping)
-               and ("persistentVolumeClaim" in v or "ephemeral" in v)]
+    raw_volumes = spec.get("volumes")
+    if raw_volumes is not None and not isinstance(raw_volumes, list):
+        new_spec["volumes"] = raw_volumes  # malformed: kept for the codec to name
+    volumes = [v if not isinstance(v, Mapping) else  # malformed: kept for the codec to name
+               {"name": v.get("name"), **{k: v[k] for k in ("persistentVolumeClaim", "ephemeral") if k in v}}
+               for v in _list(raw_volumes) if not isinstance(v, Mapping)
+               or ("persistentVolumeClaim" in v or "ephemeral" in v)]
     if volumes:
         new_spec["volumes"] = volumes
     return {"apiVersion": "v1", "kind": "Pod", "metadata": new_meta, "spec": new_spec,
