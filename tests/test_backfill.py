@@ -37,7 +37,8 @@ CASES: dict[str, dict[str, Any]] = {
     "exit-at-once": {"batch_saves_on_signal": False},
     "save-longer-than-grace": {"batch_save_s": 45.0},
     "seed2-spread": {"seed": 2, "node_policy": "spread"},
-    "idle-nodes-only": {"backfill_idle_nodes_only": True},
+    "headroom": {"backfill_headroom_milli": 1000},
+    "idle-nodes-only": {"backfill_headroom_milli": 10**6},
 }
 
 
@@ -106,12 +107,20 @@ def test_normal_pods_wait_longer_with_backfill(runs: dict[str, BackfillFigures])
     assert f.backfill_normal_wait_mean_s > f.no_backfill_normal_wait_mean_s
 
 
-def test_keeping_backfill_off_busy_nodes_trades_allocation_for_waits(runs: dict[str, BackfillFigures]) -> None:
-    """The scheduler's backfill_idle_nodes_only: the fragments beside normal pods stay free for the next ones."""
-    fill_all, idle_only = runs["defaults"], runs["idle-nodes-only"]
-    assert idle_only.normal_pods_waited_for_victims_pct < fill_all.normal_pods_waited_for_victims_pct / 3
-    assert idle_only.normal_wait_added_mean_s < fill_all.normal_wait_added_mean_s / 3
-    assert 15.0 <= idle_only.allocation_gain_points < fill_all.allocation_gain_points
+@pytest.mark.parametrize("case", ["headroom", "idle-nodes-only"])
+def test_headroom_beside_normal_pods_trades_allocation_for_waits(runs: dict[str, BackfillFigures],
+                                                                 case: str) -> None:
+    """The scheduler's backfill_headroom_milli: room left beside normal pods for the next ones."""
+    fill_all, spared = runs["defaults"], runs[case]
+    assert spared.normal_pods_waited_for_victims_pct < fill_all.normal_pods_waited_for_victims_pct * 0.75
+    assert spared.normal_wait_added_mean_s < fill_all.normal_wait_added_mean_s
+    assert 15.0 <= spared.allocation_gain_points < fill_all.allocation_gain_points
+
+
+def test_more_headroom_fewer_waits_less_allocation(runs: dict[str, BackfillFigures]) -> None:
+    one_card, idle_only = runs["headroom"], runs["idle-nodes-only"]
+    assert idle_only.normal_pods_waited_for_victims_pct < one_card.normal_pods_waited_for_victims_pct
+    assert idle_only.allocation_gain_points < one_card.allocation_gain_points
 
 
 # ------------------------------------------------------------------------------------------- work lost

@@ -505,40 +505,52 @@ def test_backfill_is_transparent_to_a_higher_class() -> None:
     assert_cache_matches(scheduler, world_)
 
 
-# (backfill_idle_nodes_only, node of the batch pod, node of the training pod that follows, batch pods evicted)
-# n0 (2 cards): training t on card 0, card 1 free; n1 (2 cards): idle. Binpack sends a one-card pod to n0
-# (1/2 used beats 0/2), the batch pod as well unless the rule keeps it off nodes where training holds a GPU.
-IDLE_NODES_CASES = [
-    (False, "n0", "n0", 1),  # the batch pod took n0's free card: the training pod evicts it (and waits for it)
-    (True, "n1", "n0", 0),   # the batch pod went to the idle n1: n0's free card is there for the training pod
+# (backfill_headroom_milli, cards on n0, node of the batch pod): n0 holds training t on card 0, the rest free;
+# n1 (4 cards) is idle. Binpack sends a one-card pod to n0 (2/2 or 2/4 used after it beats n1's 1/4), the
+# batch pod as well unless the headroom it must leave on n0 does not fit there.
+HEADROOM_CASES = [
+    (0, 2, "n0"),       # no headroom: backfill fills everything
+    (1000, 2, "n1"),    # 2000 − 1000 (t) − 1000 (batch) = 0 < 1000 left on n0: the batch pod goes to idle n1
+    (1000, 4, "n0"),    # 4000 − 1000 − 1000 = 2000 ≥ 1000: beside t, one card of headroom still free
+    (10**6, 4, "n1"),   # more than any node holds: backfill on idle nodes only
 ]
 
 
-@pytest.mark.parametrize(("idle_only", "batch_node", "training_node", "evicted"), IDLE_NODES_CASES)
-def test_backfill_idle_nodes_only_leaves_the_fragments_beside_higher_pods(idle_only: bool, batch_node: str,
-                                                                         training_node: str, evicted: int) -> None:
-    world_, scheduler = world(node("n0").gpus(2).obj(), node("n1").gpus(2).obj(),
-                              rules=SchedulingRules(backfill_idle_nodes_only=idle_only))
+@pytest.mark.parametrize(("headroom", "cards", "batch_node"), HEADROOM_CASES)
+def test_backfill_leaves_the_headroom_beside_higher_pods(headroom: int, cards: int, batch_node: str) -> None:
+    world_, scheduler = world(node("n0").gpus(cards).obj(), node("n1").gpus(4).obj(),
+                              rules=SchedulingRules(backfill_headroom_milli=headroom))
     bind_as(world_, classed(gpu_pod("t", 0, 1000), "training"), whole_on("n0", 0))
     world_.create_pod(classed(gpu_pod("b", 0, 1000), "batch-low"))
     (batch,) = scheduler.run_pending()
     assert batch.decision.assignment is not None and batch.decision.assignment.node == batch_node
+
+
+# (headroom, batch pods the next training pod evicts): on a 2-card n0 beside t, the free card is the batch
+# pod's without headroom (the training pod then evicts it), and stays free with it
+@pytest.mark.parametrize(("headroom", "evicted"), [(0, 1), (1000, 0)])
+def test_the_headroom_is_there_for_the_next_higher_pod(headroom: int, evicted: int) -> None:
+    world_, scheduler = world(node("n0").gpus(2).obj(), node("n1").gpus(4).obj(),
+                              rules=SchedulingRules(backfill_headroom_milli=headroom))
+    bind_as(world_, classed(gpu_pod("t", 0, 1000), "training"), whole_on("n0", 0))
+    world_.create_pod(classed(gpu_pod("b", 0, 1000), "batch-low"))
+    scheduler.run_pending()
     world_.create_pod(classed(gpu_pod("T", 0, 1000), "training"))
     (training,) = scheduler.run_pending()
     assert training.decision.status.ok, training.decision.status.message
-    assert training.decision.assignment is not None and training.decision.assignment.node == training_node
+    assert training.decision.assignment is not None and training.decision.assignment.node == "n0"
     assert len(world_.evictions) == evicted
     assert_cache_matches(scheduler, world_)
 
 
-def test_backfill_idle_nodes_only_parks_a_batch_pod_with_no_idle_node() -> None:
-    world_, scheduler = world(node("n0").gpus(2).obj(), rules=SchedulingRules(backfill_idle_nodes_only=True))
+def test_backfill_headroom_parks_a_batch_pod_with_nowhere_to_go() -> None:
+    world_, scheduler = world(node("n0").gpus(2).obj(), rules=SchedulingRules(backfill_headroom_milli=1000))
     bind_as(world_, classed(gpu_pod("t", 0, 1000), "training"), whole_on("n0", 0))
     world_.create_pod(classed(gpu_pod("b", 0, 1000), "batch-low"))
     (batch,) = scheduler.run_pending()
-    # card 1 is free, but beside a training pod: resolvable (the node is idle again once t is gone)
+    # card 1 is free, but it is the headroom beside t: resolvable (the node is idle again once t is gone)
     assert batch.decision.status.code is Code.UNSCHEDULABLE
-    assert "where a pod above the backfill holds a GPU" in batch.decision.status.message
+    assert "the backfill headroom must stay free" in batch.decision.status.message
     assert world_.running() == {"t"}
 
 

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 NETWORK_BLOCK_LABEL = "gpuplane.io/network-block"
 HELD_FOR_NOMINATION = "node(s) held for a nominated pod whose victims are still terminating"
-BESIDE_HIGHER_PODS = "node(s) where a pod above the backfill holds a GPU (backfill_idle_nodes_only)"
+BESIDE_HIGHER_PODS = "node(s) where a pod above the backfill holds a GPU and the backfill headroom must stay free"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +92,12 @@ class SchedulingRules:
     """Network blocks a gang tries to fit into alone, biggest free first, before it may span blocks."""
     nomination_timeout_s: float = 3600.0
     """A nominated pod whose victims have not gone by then is put back in the queue."""
-    backfill_idle_nodes_only: bool = False
-    """Backfill pods go only to nodes where no pod above the backfill holds a GPU (idle in the shadow). The
-    fragments beside those pods stay free, so the pods that pack there next start at once instead of waiting
-    for backfill victims to terminate (their grace, their save, the container's stop); the cost is the
-    allocation those fragments would have added."""
+    backfill_headroom_milli: int = 0
+    """On a node where a pod above the backfill holds a GPU, a backfill pod goes only if it leaves this much
+    GPU (milli) free; nodes without such pods take backfill freely. The headroom beside those pods is there
+    for the pods that pack there next: they start at once instead of waiting for backfill victims to
+    terminate (their grace, their save, the container's stop); the cost is the allocation it would have
+    added. 0: backfill fills everything; more than any node's GPUs: backfill on idle nodes only."""
 
 
 @dataclass(slots=True)
@@ -492,12 +493,15 @@ class Scheduler:
                 within = within & held
         shadow = self.shadow
         if self.is_backfill(pod):
-            if shadow is not None and self.rules.backfill_idle_nodes_only:
-                idle = shadow.gpu_milli_used[:self.state.size] == 0
+            headroom = self.rules.backfill_headroom_milli
+            if shadow is not None and headroom > 0:
+                n, state = self.state.size, self.state
+                allowed = (shadow.gpu_milli_used[:n] == 0) | (
+                    state.gpu_milli_cap[:n] - state.gpu_milli_used[:n] - pod.gpu_milli_total >= headroom)
                 if within is None:
-                    within, reason, resolvable = idle, BESIDE_HIGHER_PODS, True
+                    within, reason, resolvable = allowed, BESIDE_HIGHER_PODS, True
                 else:
-                    within = within & idle
+                    within = within & allowed
             return self._backfill_framework.schedule(pod, self.state, within=within, cycle=cycle,
                                                      within_reason=reason, within_resolvable=resolvable), []
         if shadow is None or not self._past_backfill(pod):

@@ -108,8 +108,8 @@ class BackfillSettings(WorldSettings):
     victim_order: VictimOrder = Field(default=VictimOrder.LOWEST_PRIORITY_FIRST,
                                       description="rank of candidate victims (see VictimOrder)")
     node_policy: str = "binpack"
-    backfill_idle_nodes_only: bool = Field(default=False, description="the scheduler's rule of that name: "
-                                           "batch pods only on nodes where no normal pod holds a GPU")
+    backfill_headroom_milli: int = Field(default=0, ge=0, description="the scheduler's rule of that name: "
+                                         "GPU milli a batch pod must leave free on a node with normal pods")
 
     @model_validator(mode="after")
     def _consistent(self) -> BackfillSettings:
@@ -320,7 +320,7 @@ def run_arm(catalog: Catalog, nodes: Sequence[NodeSpec], workload: _Workload, pr
     classes = settings.classes()
     world = build_world(catalog, nodes, profile, seed=settings.seed, stop_s=settings.kubelet_stop_s,
                         classes=classes, rules=SchedulingRules(classes=classes, victim_order=settings.victim_order,
-                                              backfill_idle_nodes_only=settings.backfill_idle_nodes_only))
+                                              backfill_headroom_milli=settings.backfill_headroom_milli))
     loop, cluster, scheduler = world.loop, world.cluster, world.scheduler
     capacity = cluster.state.total_gpu_milli()
     horizon, warmup = settings.days * DAY_S, settings.warmup_hours * 3600.0
@@ -556,9 +556,9 @@ class _BackfillScenario:
         Headline("normal_wait_added_mean_s", "a batch pod traps SIGTERM and exits once its save is written",
                  "batch_saves_on_signal", False, "down"),
         Headline("normal_wait_added_mean_s", "batch pods may fill the fragments beside normal pods",
-                 "backfill_idle_nodes_only", True, "down"),
+                 "backfill_headroom_milli", 1000, "down"),
         Headline("allocation_gain_points", "batch pods may fill the fragments beside normal pods",
-                 "backfill_idle_nodes_only", True, "down"),
+                 "backfill_headroom_milli", 1000, "down"),
         Headline("batch_lost_gpu_h", "a batch pod saves on SIGTERM and its save fits in the grace",
                  "batch_save_s", 45.0, "up"),
         Headline("batch_lost_gpu_h", "the victims' grace (30 s, Kubernetes' default) covers a batch pod's save",
