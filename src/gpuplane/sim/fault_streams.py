@@ -9,7 +9,8 @@ node's clock gave it:
   a signature but are not), mixed into the noise;
 - **tolerated events**: log-only lines (a row remapped, corrected ECC and PCIe errors, one link flap, a
   clock step) on random nodes, as a healthy fleet logs them;
-- **the root cause** on the failing node (a line of one of the category's signatures, `ROOT_CAUSES`), unless
+- **the root cause** on the failing node (a line of one of the category's signatures, `ROOT_CAUSES`, its
+  variable fields drawn afresh by `vary`), unless
   the node fell silent (it died before its logs were shipped: `silent_share`); a hang's node often logs
   nothing at all;
 - **the cascade**: the rank's next CUDA call fails on the failing node (within ±`app_error_lead_s` of the
@@ -25,6 +26,7 @@ fault (`persistent`: it fails again until repaired), so a verdict can be graded 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,7 +140,7 @@ class StreamMaker:
 
     def _example(self, rng: np.random.Generator, signature: str) -> str:
         examples = self.library[signature].examples
-        return examples[int(rng.integers(len(examples)))]
+        return vary(examples[int(rng.integers(len(examples)))], rng)
 
     def incident(self, rng: np.random.Generator, category: str, node: str) -> Incident:
         roots = ROOT_CAUSES[category]
@@ -200,6 +202,25 @@ class StreamMaker:
             add(node, at + 0.5, exit_code=-6)
         out.sort(key=lambda item: (item[0], item[1]))
         return [e for _, _, e in out]
+
+
+_VARIABLE = re.compile(r"(?<=pid=)\d+|(?<=PCI:0000:)[0-9a-f]{2}(?=:)|(?<=gpu-node-)\d{3}|(?<=\[rank)\d+(?=\])"
+                       r"|(?<=\d\d:)\d\d(?=[:.,])|(?<=SeqNum=)\d+")
+
+
+def vary(line: str, rng: np.random.Generator) -> str:
+    """A library example with its variable fields drawn afresh (process ids, PCI buses, node names, ranks,
+    clock minutes and seconds, sequence numbers), so a stream does not repeat the library's lines verbatim;
+    what a signature keys on (Xid codes, messages, status codes) stays."""
+
+    def draw(m: re.Match[str]) -> str:
+        text = m.group()
+        if text.isdigit():
+            top = 60 if len(text) == 2 else 10 ** len(text)
+            return f"{int(rng.integers(top)):0{len(text)}d}"
+        return f"{int(rng.integers(256)):02x}"
+
+    return _VARIABLE.sub(draw, line)
 
 
 _NOISE_KINDS = 6

@@ -617,9 +617,8 @@ class TrainingFaultsScenario:
                  "down"),
         Headline("classification_accuracy_pct", "node clocks agree within about 1 s (the cause window is 2 min)",
                  "clock_skew_s", 300.0, "down"),
-        Headline("rate_cut_pct", "3 % of nodes are lemons failing 15x as often (the fleet's mean rate fixed): "
-                                 "quarantine and culling cut more when failures concentrate on few nodes",
-                 "lemon_fraction", 0.15, "up"),
+        Headline("platform_rate_per_node_day", "the fleet fails 0.4 % of nodes a day: culling and quarantine "
+                 "cut what the job meets, they do not set it", "failure_rate_per_node_day", 0.02, "up"),
     )
     quick: Mapping[str, object] = {"days": 30.0, "nodes": 16, "spare_nodes": 2, "accuracy_incidents": 60,
                                    "failure_rate_per_node_day": 0.01}
