@@ -225,7 +225,7 @@ class WatchStream:
 
 
 class _Unanswered(ConnectionError):
-    """The server closed the connection before any byte of an answer."""
+    """The connection failed or was closed before any byte of an answer."""
 
 
 class _Wire:
@@ -249,7 +249,10 @@ class _Wire:
 
     def exchange(self, request: bytes) -> tuple[int, str, bytes, bool]:
         """Send `request`; (status, reason, body, whether the connection can be kept) of its answer."""
-        self.sock.sendall(request)
+        try:
+            self.sock.sendall(request)
+        except OSError as exc:  # reset or closed: nothing was answered
+            raise _Unanswered(f"the connection failed while sending: {exc}") from exc
         reader = self.reader
         while True:
             line = reader.readline(_MAX_LINE)
