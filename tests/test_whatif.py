@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from gpuplane.cli import snapshot_cmd
 from gpuplane.kube.snapshot import Snapshot, Stack, load_files
 from gpuplane.model import GpuplaneError, default_catalog
-from gpuplane.sim.whatif import WhatIfSettings, compare, draw, replay
+from gpuplane.sim.whatif import Bind, WhatIfSettings, compare, draw, replay
 
 CATALOG = default_catalog()
 FIXTURE = Path(__file__).parent / "fixtures" / "snapshot" / "cluster.json"
@@ -174,3 +174,24 @@ def _snapshot_app() -> typer.Typer:
         """Nothing."""
 
     return app
+
+
+def test_a_pod_caught_terminating_leaves_and_is_not_drawn_a_lifetime(tmp_path: Path, snap: Snapshot) -> None:
+    doc = json.loads(FIXTURE.read_text())
+    for item in doc["items"]:
+        if item["metadata"]["name"] == "train-llm-0":  # 4 whole A100 cards
+            item["metadata"]["deletionTimestamp"] = "2026-11-30T09:59:50Z"
+    (tmp_path / "dump.json").write_text(json.dumps(doc))
+    ending = load_files(tmp_path / "dump.json", CATALOG)
+    assert [p.name for p in ending.running if p.terminating] == ["ml/train-llm-0"]
+    assert "ml/train-llm-0" not in draw(ending, QUICK).remaining_s
+    # Gone after Kubernetes' 30 s grace and the kubelet's 2 s stop, it frees cards 0-3 of gpu-a100-01: pods land there
+    # from then on, never before. Unchanged, the snapshot holds them until train-llm-0's drawn end.
+    def on_its_cards(binds: tuple[Bind, ...]) -> list[float]:
+        return [b.at for b in binds[len(snap.running):]
+                if b.assignment.node == "gpu-a100-01" and {0, 1, 2, 3} & set(b.assignment.card_indexes)]
+
+    freed = on_its_cards(replay(ending, CATALOG, "binpack", QUICK, record_binds=True).binds)
+    assert freed and min(freed) >= 32.0
+    kept = on_its_cards(replay(snap, CATALOG, "binpack", QUICK, record_binds=True).binds)
+    assert all(at >= draw(snap, QUICK).remaining_s["ml/train-llm-0"] for at in kept)

@@ -249,9 +249,12 @@ class _Reader:
     node_objects: dict[str, tuple[str, Mapping[str, Any]]] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)
     kept: list[JsonObject] = field(default_factory=list)
+    flawed: set[tuple[str, str]] = field(default_factory=set)
+    """(source, object) of every problem so far."""
 
     def problem(self, source: str, obj: str, field_name: str, message: str) -> None:
         self.problems.append(Problem(source, obj, field_name, message))
+        self.flawed.add((source, obj))
 
     def codec(self, source: str, obj: str, exc: ObjectError) -> None:
         message = str(exc).removeprefix(f"{exc.obj}: {exc.field}: ")
@@ -328,7 +331,7 @@ class _Reader:
         pending: list[PendingPod] = []
         for key, (source, obj) in self.pods.items():
             label = f"pod {object_key(obj) or '(no name)'}"
-            if any(p.source == source and p.obj == label for p in self.problems):
+            if (source, label) in self.flawed:
                 continue  # a required field is missing: the codec would read a guess
             try:
                 info = pod_info(obj, self.catalog)
