@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from gpuplane.cli import snapshot_cmd
 from gpuplane.cli.common import fail as _fail
 from gpuplane.cli.common import policy_config
 from gpuplane.model import (
@@ -249,6 +250,7 @@ def simulate(
     pools: PoolsOpt = None,
     mode: ModeOpt = "fill",
     node_policy: Annotated[str | None, typer.Option(
+        "--node-policy", "--policy",
         help="node policy: binpack (default), spread, random, dotprod, gpu-clustering, gpu-packing, bestfit, fgd, "
              "fgd-online")] = None,
     card_policy: CardPolicyOpt = None,
@@ -272,8 +274,17 @@ def simulate(
     set_: Annotated[list[str] | None, typer.Option("--set", help="scenario field=value (repeatable), "
                                                    "e.g. --set normal_load=0.8")] = None,
     days: Annotated[float | None, typer.Option(help="scenario: virtual days to simulate")] = None,
+    snapshot: Annotated[Path | None, typer.Option(help=(
+        "what-if: replay a `gpuplane snapshot --out` directory (or a kubectl dump): its running pods in place, its "
+        "pending pods, then --hours of arrivals drawn from its pods (--set load_scale=…, mean_lifetime_s=…)"))] = None,
+    seeds: Annotated[str | None, typer.Option(help="--snapshot: replay these seeds (1-10) and show medians with "
+                                                   "their range")] = None,
 ) -> None:
     """Replay a trace on the simulated cluster, print a summary and write DIR/report.html."""
+    if snapshot is not None:
+        snapshot_cmd.simulate_snapshot(snapshot, node_policy or "binpack", compare or [], seed, hours, set_ or [],
+                                       as_json, seeds)
+        return
     if scenario is not None:
         _simulate_scenario(scenario, scenario_file, set_ or [], days, trace, nodes, node_policy, seed, out_dir,
                            as_json)
@@ -981,6 +992,8 @@ def scaler(
 def _register_kube_commands() -> None:
     """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
     from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd, scheduler_cmd
+
+    snapshot_cmd.register(app)
 
     device_plugin_cmd.register(app)
     extender_cmd.register(app)
