@@ -25,14 +25,13 @@ from rich.table import Table
 from gpuplane.model import GpuplaneError, default_catalog
 from gpuplane.scheduler import default_registry
 
-BOUND_TRACES = "default,gpushare40,gpushare100"
+TRACES = "default,gpushare40,gpushare100"
 ARRIVED = 100
-BoundTracesOpt = Annotated[str, typer.Option("--trace", "--traces",
-                                             help="comma-separated bundled names or pod CSV paths")]
-BoundSeedsOpt = Annotated[str, typer.Option(help="seeds, e.g. 42-51 or 42,43")]
-BoundPoliciesOpt = Annotated[str, typer.Option(help="comma-separated node policies, or all (every registered one)")]
-BoundWorkersOpt = Annotated[int, typer.Option(help="worker processes")]
-BoundJsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
+TracesOpt = Annotated[str, typer.Option("--trace", "--traces", help="comma-separated bundled names or pod CSV paths")]
+SeedsOpt = Annotated[str, typer.Option(help="seeds, e.g. 42-51 or 42,43")]
+PoliciesOpt = Annotated[str, typer.Option(help="comma-separated node policies, or all (every registered one)")]
+WorkersOpt = Annotated[int, typer.Option(help="worker processes")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")]
 
 
 @dataclass(frozen=True, slots=True)
