@@ -6,14 +6,19 @@ virtual time in the simulator and, later, against Kubernetes.
 - Each service runs as two workloads, its stable subset (`<svc>-stable`, pinned to the stable nodes, always
   `min_replicas`) and its tidal subset (`<svc>-tidal`, on loanable nodes, the rest), as OpenKruise
   WorkloadSpread does; so scale-down always takes tidal replicas.
-- Replicas = max(the window plan's floor, what the load forecast needs), within [min, max].
+- Replicas = max(the window plan's floor, what the load forecast needs), within [min, max]. Each pass first
+  shows the forecast every service's load from the load source (`gpuplane.controllers.forecast`: in the
+  simulator a 1-minute rate, in a cluster Prometheus through the operator); the forecast learns from that
+  history only.
 - Before a scale-down it writes `pod-deletion-cost` on the tidal replicas so that pods on the nodes with
   the fewest pods go first (`DrainOrder.FEWEST_INSTANCES`): whole nodes empty fastest.
 - From `lend_from`, an emptied tidal node is lent: its pool becomes the training pool, it is labelled and
   tainted for training (inference pods cannot go there), and the loan is written on the node (annotation)
   and in the ledger. The planned reclaim time is annotated too, so training checkpoints ahead of it.
 - At `reclaim_at`, or at once when the forecast needs more than the unlent nodes hold, training pods on lent
-  nodes are evicted with a grace period for a final checkpoint and the nodes return to inference.
+  nodes are evicted with a grace period for a final checkpoint and the nodes return to inference. A node
+  reclaimed now serves only after that grace, so lending and reclaiming look `forecast_horizon_s +
+  reclaim_grace_s` ahead (scaling looks `forecast_horizon_s` ahead).
 - After a restart the ledger is rebuilt from the nodes' annotations: no node is lent twice or forgotten.
 """
 
