@@ -76,7 +76,7 @@ def test_every_sharing_arm_takes_each_pass_from_the_guards_card_policy(monkeypat
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(CardPolicy, "decide", spy)
-    run(hours=0.05)
+    run(hours=0.05, poll_s=0.05, min_slice_s=0.25)
     # 0.05 h = 180 s at one pass per 50 ms: 3,600 passes per sharing arm, none for exclusive
     assert calls == {"shared": 3600, "guard": 3600, "kernel": 3600}
 
@@ -90,14 +90,14 @@ def test_the_kernel_gate_sees_every_launch_the_guard_only_its_passes(monkeypatch
         return real(self, now, active)
 
     monkeypatch.setattr(SliceArbiter, "observe", spy)
-    run(hours=0.05)
+    run(hours=0.05, poll_s=0.05, min_slice_s=0.25)
     assert observed[0.25] == 3600  # the guard: once a pass
     assert observed[0.005] > 3600  # the gate: every pass, and every time online starts or stops
 
 
 def test_a_slower_guard_reaction_harvests_less_and_the_kernel_gate_more() -> None:
     f = run()
-    slow = run(poll_s=0.2)
+    slow = run(poll_s=0.05, min_slice_s=0.25)  # the guard's reaction before it was measured here
     assert slow.guard_offline_share_of_idle_pct < f.guard_offline_share_of_idle_pct
     assert f.kernel_offline_share_of_idle_pct > f.guard_offline_share_of_idle_pct
     assert f.guard_suspensions_per_hour > 0

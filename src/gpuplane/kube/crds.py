@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from gpuplane.controllers.colocation import GuardSettings
+from gpuplane.controllers.colocation import GUARD_REACTION, GuardSettings
 from gpuplane.controllers.tidal import DrainOrder, ServiceBinding
 from gpuplane.model import Catalog, CatalogError, GpuplaneError, MigMode
 from gpuplane.model.quota import ModelQuota, QueueQuota, QuotaError
@@ -158,17 +158,18 @@ class TidalPolicySpec(TidalPolicy):
 class ColocationPolicySpec(BaseModel):
     """The node co-location guard's online-first thresholds for the nodes it selects."""
 
-    # The node guard's options only: `GuardSettings`' admission fields (admit_*) are the scheduler's.
+    # The node guard's options only: admission (admission, admit_*) is set in the guard's file, not by a policy.
     model_config = _CONFIG
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="Labels of the nodes the policy covers.")
-    poll_s: float = Field(default=0.05, gt=0, le=60, description="How often the guard reads the cards.")
+    poll_s: float = Field(default=GUARD_REACTION.poll_s, gt=0, le=60,
+                          description="How often the guard reads the cards.")
     kill_grace_s: float = Field(default=10.0, ge=0, description="SIGKILL follows SIGTERM after this long.")
     online_sm_threshold_percent: float = Field(default=5.0, ge=0, le=100,
                                                description="An online process above this SM use is online demand.")
-    min_slice_s: float = Field(default=0.25, ge=0, le=3600,
-                               description="Offline resumes only after online has been idle this long (the node "
-                                           "guard's default: five 50 ms polls, so one idle reading resumes nothing).")
+    min_slice_s: float = Field(default=GUARD_REACTION.min_slice_s, ge=0, le=3600,
+                               description="Offline resumes only after online has been idle this long beyond the "
+                                           "idle reading itself (the node guard's default: 0, at once).")
     memory_guard: bool = Field(default=_GUARD.memory_guard, description="Evict offline work when card memory runs low.")
     safety_margin_bytes: int = Field(default=_GUARD.safety_margin_bytes, ge=0,
                                      description="Free memory always kept for online, on top of its expected growth.")

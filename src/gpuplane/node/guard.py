@@ -76,9 +76,8 @@ class GuardOptions(BaseModel):
     """An online process above this SM utilisation is online demand."""
     state_file: Path | None = None
     min_slice_s: float = Field(default=GUARD_REACTION.min_slice_s, ge=0, allow_inf_nan=False)
-    """Offline resumes after online has been idle this long: several polls, so that one idle reading
-    between requests does not resume it (process signals are far coarser than the kernel-level gate the
-    simulator's default models)."""
+    """Offline resumes after online has been idle this long beyond the idle reading itself (0: at the
+    first pass that reads online idle; docs/colocation.md measures the trade, and why it is not 250 ms)."""
     memory_guard: bool = _DEFAULTS.memory_guard
     safety_margin_bytes: int = Field(default=_DEFAULTS.safety_margin_bytes, ge=0)
     growth_factor: float = Field(default=_DEFAULTS.growth_factor, ge=0, allow_inf_nan=False)
