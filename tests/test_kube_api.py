@@ -754,3 +754,18 @@ def test_what_orjson_refuses_is_read_as_json_reads_it(raw: bytes) -> None:
 def test_undecodable_input_raises_jsons_error(raw: bytes) -> None:
     with pytest.raises(ValueError):
         loads(raw)
+
+
+def test_a_new_host_in_the_configuration_gets_new_connections() -> None:
+    """Connections kept for the server the configuration named are not used for the one it names now."""
+    first = ScriptedServer(lambda *_: http_answer(200, b'{"from": 1}'))
+    second = ScriptedServer(lambda *_: http_answer(200, b'{"from": 2}'))
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{first.port}", request_timeout_s=5.0)
+        assert api.create("/a", {}) == {"from": 1}
+        api.client.configuration.host = f"http://127.0.0.1:{second.port}"
+        assert api.create("/b", {}) == {"from": 2}
+    finally:
+        first.close()
+        second.close()
+    assert [p for _, _, p, _ in first.seen] == ["/a"] and [p for _, _, p, _ in second.seen] == ["/b"]

@@ -233,11 +233,13 @@ class _Wire:
     as the client's pool sets them up) and a buffered reader. One request at a time; the answer is read whole,
     by its Content-Length or chunked, so the next request starts clean."""
 
-    __slots__ = ("conn", "reader", "sock")
+    __slots__ = ("conn", "origin", "reader", "sock")
 
-    def __init__(self, conn: Any, sock: socket.socket) -> None:
+    def __init__(self, conn: Any, sock: socket.socket, origin: tuple[str, str, str, int | None, str]) -> None:
         self.conn = conn
         self.sock = sock
+        self.origin = origin
+        """The configuration's host it was connected for."""
         self.reader = sock.makefile("rb")
 
     def usable(self) -> bool:
@@ -398,7 +400,7 @@ class RestKubeApi:
         host = client.configuration.host
         plain = type(manager) is urllib3.PoolManager and _PLAIN_PATH.fullmatch(path) is not None
         if plain:
-            if self._origin[0] != host:
+            if self._origin[0] != host:  # the first write, or the configuration names another server now
                 url = urllib3.util.parse_url(host)
                 self._origin = (host, url.scheme or "http", url.host or "", url.port, url.path or "")
             answer = self._over_wire(manager, method, self._origin[4] + path, data, headers)
@@ -465,13 +467,14 @@ class RestKubeApi:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _idle_wire(self) -> _Wire | None:
-        """A kept-alive connection the server has not closed meanwhile (urllib3's own check before reuse)."""
+        """A kept-alive connection to the server the configuration names now, which the server has not closed
+        meanwhile (urllib3's own check before reuse)."""
         while True:
             try:
                 wire = self._wires.pop()
             except IndexError:
                 return None
-            if wire.usable():
+            if wire.origin == self._origin and wire.usable():
                 return wire
             wire.close()
 
@@ -486,7 +489,7 @@ class RestKubeApi:
                 conn.close()
                 return None
             sock.settimeout(self.request_timeout_s)
-            return _Wire(conn, sock)
+            return _Wire(conn, sock, self._origin)
         except Exception:  # refused, TLS, …: urllib3's own path retries and reports it
             return None
 
