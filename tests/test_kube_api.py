@@ -548,10 +548,11 @@ def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> Non
 # ------------------------------------------------------------------ the write path's own connections
 class ScriptedServer:
     """A raw HTTP server answering each request with what `answer(connection, method, path)` returns: the bytes
-    to write (then the connection stays open) or None (close it without answering). Records, per request, which
-    connection it came on (0, 1, … in accept order)."""
+    to write (then the connection stays open), a pair (bytes, True: close the connection after them, saying
+    nothing), or None (close it without answering). Records, per request, which connection it came on (0, 1, …
+    in accept order)."""
 
-    def __init__(self, answer: Callable[[int, str, str], bytes | None], tls: Any = None) -> None:
+    def __init__(self, answer: Callable[[int, str, str], bytes | tuple[bytes, bool] | None], tls: Any = None) -> None:
         import socket as socket_module
 
         self.answer = answer
@@ -591,7 +592,10 @@ class ScriptedServer:
                 out = self.answer(index, method, path)
                 if out is None:
                     return
-                sock.sendall(out)
+                data, close = out if isinstance(out, tuple) else (out, False)
+                sock.sendall(data)
+                if close:
+                    return
         except OSError:
             return
         finally:
@@ -769,3 +773,17 @@ def test_a_new_host_in_the_configuration_gets_new_connections() -> None:
         first.close()
         second.close()
     assert [p for _, _, p, _ in first.seen] == ["/a"] and [p for _, _, p, _ in second.seen] == ["/b"]
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_used() -> None:
+    """The server answers, then closes the connection without saying so (an idle timeout): the next write sees
+    the close before sending (urllib3's check) and opens a new connection, so even a POST is not lost."""
+    server = ScriptedServer(lambda connection, _m, _p: (http_answer(201, b'{"ok": 1}'), connection == 0))
+    try:
+        api = RestKubeApi.from_url(f"http://127.0.0.1:{server.port}", request_timeout_s=5.0)
+        assert api.create("/a", {}) == {"ok": 1}
+        assert wait_until(lambda: bool(api._wires) and not api._wires[-1].usable())
+        assert api.create("/b", {}) == {"ok": 1}
+    finally:
+        server.close()
+    assert [(c, p) for c, _, p, _ in server.seen] == [(0, "/a"), (1, "/b")]
