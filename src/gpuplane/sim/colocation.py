@@ -657,7 +657,7 @@ class ColocationScenario:
         Headline("guard_evictions", "an 80 GiB card leaves room for online's peaks beside two offline jobs",
                  "card_memory_gib", 50.0, "up"),
     )
-    quick: ClassVar[Mapping[str, object]] = {"hours": 0.5, "start_hour": 20.5}
+    quick: ClassVar[Mapping[str, object]] = {"hours": 0.25, "start_hour": 20.75}
 
     def run(self, settings: ColocationSettings, progress: Progress) -> ColocationFigures:
         return run_colocation(settings, progress)
