@@ -394,6 +394,36 @@ class Scheduler:
         if not status.ok and still_assumed and pod in self.state.bindings:
             self._release(pod)
 
+    def nominate(self, pod: str, assignment: Assignment, victims: Sequence[str], *, reason: str) -> Decision:
+        """Reserve `assignment` for the queued pod `pod` and evict `victims` (running pods in its way) through
+        the port: the nomination preemption makes, for a caller that chose the victims itself (the
+        descheduler). The cards are held in the cache at once and the pod is bound when the last victim is
+        gone; meanwhile its node is held for pods of its priority or lower. Refused, with nothing changed,
+        when the pod is not queued, a victim is not a running pod of the cache, or the assignment does not
+        fit once the victims are gone; an eviction the world refuses undoes the nomination (the pod is
+        queued again)."""
+        entry = self.queue.take(pod)
+        if entry is None:
+            return Decision(Status.error(f"{pod} is not queued"))
+        stray = [name for name in victims if name not in self.state.bindings or name in self._nominated
+                 or name in self._terminating or name in self._assumed]
+        if stray:
+            self.queue.requeue(entry)
+            return Decision(Status.error(f"not running pods of the cache: {', '.join(stray)}"))
+        released = [self._release(name) for name in victims]
+        why = self.state.check(assignment, entry.request)
+        if why is not None:
+            for binding in reversed(released):
+                self._place(binding.request, binding.assignment, check=False)
+            self.queue.requeue(entry)
+            return Decision(Status.error(f"conflict: {why}"))
+        self._place(entry.request, assignment)
+        decision = Decision(Status.success(), assignment, self.state.node_index[assignment.node])
+        outcome = self._commit([(entry, decision)], [], released, reason=reason)
+        if not outcome.status.ok and outcome.status.code is not Code.WAIT:
+            self.queue.requeue(entry)
+        return outcome
+
     def _reserve_and_bind(self, pod: PodRequest, decision: Decision) -> Decision:
         assert decision.assignment is not None
         self.assume(pod, decision.assignment)
@@ -675,7 +705,7 @@ class Scheduler:
         return VictimRules(eligible, work_lost, refuse, protected)
 
     def _commit(self, placed: list[tuple[QueuedPod, Decision]], plans: Sequence[PreemptionPlan],
-                victims: list[Binding]) -> Decision:
+                victims: list[Binding], *, reason: str | None = None) -> Decision:
         """Evict a trial's victims through the port; bind its pods now or when the last victim is gone.
 
         On entry the cache already holds the trial: victims released, pods placed. Returns the first
@@ -701,7 +731,8 @@ class Scheduler:
                 grace = self.rules.classes.victim_grace_s(binding.request, self.rules.default_victim_grace_s)
                 self._victim_of[name] = nomination
                 nomination.waiting_for.add(name)
-                status = self.port.evict(name, grace_s=grace, reason=f"preempted by {members[0][0].request.name}")
+                status = self.port.evict(name, grace_s=grace,
+                                         reason=reason or f"preempted by {members[0][0].request.name}")
                 if not status.ok:
                     refused.append(binding)
                     self._victim_of.pop(name, None)
@@ -767,6 +798,10 @@ class Scheduler:
             else:
                 self._victim_of.pop(victim, None)
         nomination.waiting_for = set()
+
+    def held_nodes(self, pod: PodRequest) -> np.ndarray | None:
+        """The nodes `pod` may use while nominations wait for their victims (None: every node)."""
+        return self._held(pod)
 
     def _held(self, pod: PodRequest) -> np.ndarray | None:
         """Nodes a pod may not use now: a nomination of equal or higher priority waits there for its victims
