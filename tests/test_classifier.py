@@ -168,8 +168,8 @@ def test_reset_keeps_counters_and_report(classifier: FailureClassifier) -> None:
     (127, FailureAction.DO_NOT_RETRY), (128, FailureAction.DO_NOT_RETRY), (139, FailureAction.DO_NOT_RETRY),
     (130, FailureAction.RESTART_JOB), (137, FailureAction.RESTART_JOB), (138, FailureAction.RESTART_JOB),
     (143, FailureAction.RESTART_JOB),  # Kubeflow: permanent vs retryable
-    (-6, FailureAction.RESTART_JOB), (-9, FailureAction.RESTART_JOB), (-11, FailureAction.RESTART_JOB),
-    (-15, FailureAction.RESTART_JOB),  # torchrun's signal codes
+    (-6, FailureAction.RESTART_JOB), (-9, FailureAction.DO_NOT_RETRY), (-11, FailureAction.RESTART_JOB),
+    (-15, FailureAction.RESTART_JOB),  # torchrun's signal codes (-9 alone: the OOM killer's mark)
     (134, FailureAction.RESTART_JOB), (135, FailureAction.DO_NOT_RETRY), (-7, FailureAction.DO_NOT_RETRY),
 ])
 def test_exit_codes(classifier: FailureClassifier, code: int, action: FailureAction) -> None:
@@ -209,10 +209,11 @@ def test_exit_lines_in_logs_are_read(classifier: FailureClassifier) -> None:
 def test_xid_events(classifier: FailureClassifier) -> None:
     match = classifier.feed_xid("gpu-node-001", 79, t=3.0)
     assert match is not None and match.evidence == "Xid 79" and match.blames_node
-    assert classifier.feed_xid("gpu-node-001", 155) is None
-    assert {u.template for u in classifier.unmatched_report()} == {"Xid 155: no signature"}
+    # Xid 1 is unused in NVIDIA's catalogue: no signature
+    assert classifier.feed_xid("gpu-node-001", 1) is None
+    assert {u.template for u in classifier.unmatched_report()} == {"Xid 1: no signature"}
     # a dmesg Xid without a signature is an unmatched line
-    assert classifier.feed_line("a", "NVRM: Xid (PCI:0000:3b:00): 155, pid=1, something new") is None
+    assert classifier.feed_line("a", "NVRM: Xid (PCI:0000:3b:00): 1, pid=1, something new") is None
 
 
 # -------------------------------------------------------------------------------------------------- escalation

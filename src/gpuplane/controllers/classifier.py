@@ -34,6 +34,7 @@ from gpuplane.model.failures import (
     PREFILTER_KEEP,
     SIGNAL_LINE,
     XID_LINE,
+    XID_NAMED,
     FailureAction,
     FailureClass,
     Signature,
@@ -49,6 +50,9 @@ INF = float("inf")
 #: (fault-tolerance reference §4.1 "in a window around the first failure ... rank by severity and earliest
 #: timestamp"; §4.3 #17: a hardware Xid within ±2 min of a CUDA error makes it a hardware failure).
 CAUSE_WINDOW_S = 120.0
+#: A blaming signature seen on every node of an incident of at least this many nodes blames none of them
+#: (the same error everywhere at once is the fabric, the configuration or the job, not a node).
+EVERYWHERE_NODES = 3
 #: Characters of an unmatched line that make its template.
 TEMPLATE_CHARS = 160
 #: Characters of a matched line kept as evidence.
@@ -180,7 +184,7 @@ class FailureClassifier:
         self._patterns: list[Signature] = [s for s in library if s.regex is not None]
         owned: list[tuple[str, bool, int]] = [
             (text, ci, i) for i, s in enumerate(self._patterns) for text, ci in s.literals]
-        owned += [(text, ci, STRUCTURED) for rx in (XID_LINE, EXIT_LINE, SIGNAL_LINE)
+        owned += [(text, ci, STRUCTURED) for rx in (XID_LINE, XID_NAMED, EXIT_LINE, SIGNAL_LINE)
                   for text, ci in required_literals(rx.pattern)]
         self._order = {s.id: i for i, s in enumerate(library)}
         self.prefilter = Prefilter(owned)
@@ -200,14 +204,20 @@ class FailureClassifier:
         self._seq = 0
         self._counts: dict[bytes, int] = {}
         self._cache: dict[bytes, bytes] = {}
-        # escalation history: (signature id, node) -> times; survives reset()
-        self._history: dict[tuple[str, str], list[float]] = {}
+        # escalation history: (scope, signature id, node) -> times; survives reset(). A signature that does
+        # not blame its node counts for the job wherever it runs (node ""): a code fault follows the job.
+        self._history: dict[tuple[str, str, str], list[float]] = {}
+        self._scope = ""
+        self._nodes: set[str] = set()
+        """the nodes the incident's lines and events came from"""
+        self._spread: dict[str, set[str]] = {}
+        """per blaming signature, the nodes it was seen on"""
         # the incident (see _reset_incident)
         self._matches: list[SignatureMatch] = []
         self._earliest: tuple[dict[int, tuple[float, int, SignatureMatch]], ...] = ({}, {})
         """per group (causes, echoes): severity -> the earliest (time, seq, match) of that severity"""
         self._blame: dict[str, tuple[float, int, int]] = {}
-        self._counted: set[tuple[str, str]] = set()
+        self._counted: set[tuple[str, str, str]] = set()
         self._last_t: dict[str, float] = {}
         self._unknown_counted = False
 
@@ -218,6 +228,7 @@ class FailureClassifier:
         if line.__class__ is not bytes:
             line = _as_bytes(line, self._cap)
         self._lines += 1
+        self._nodes.add(node)
         if len(line) > self._cap:
             line = line[:self._cap]
             self._truncated += 1
@@ -238,6 +249,7 @@ class FailureClassifier:
     def feed_xid(self, node: str, xid: int, t: float | None = None) -> SignatureMatch | None:
         """An Xid event (e.g. from NVML) on `node`."""
         self._events += 1
+        self._nodes.add(node)
         signature = self.library.by_xid(xid)
         if signature is None:
             self._count_event(f"Xid {xid}: no signature")
@@ -252,6 +264,7 @@ class FailureClassifier:
         if not exit_code and signal is None:
             return None
         self._events += 1
+        self._nodes.add(node)
         signature = self.library.resolve_exit(exit_code, signal)
         what = f"exit code {exit_code}" if exit_code else f"signal {signal}"
         if signature is None:
@@ -263,22 +276,33 @@ class FailureClassifier:
     # ------------------------------------------------------------------------------------------------ verdict
 
     def verdict(self) -> Classification:
-        """The incident's classification so far (an unknown verdict is counted once per incident)."""
-        blamed = tuple(sorted(self._blame, key=self._blame.__getitem__))
+        """The incident's classification so far (an unknown verdict is counted once per incident).
+
+        Across nodes: a blaming signature seen on every node of the incident (three or more) is not a node
+        fault (an InfiniBand completion error on every node at start-up is the fabric or the configuration):
+        it blames no node, and as the cause it restarts the job."""
+        everywhere = self._everywhere()
+        blame = self._blame if not everywhere else self._blame_without(everywhere)
+        blamed = tuple(sorted(blame, key=blame.__getitem__))
         cause = self._pick_cause()
         if cause is None:
             if not self._unknown_counted:
                 self._unknown_counted = True
                 self._unknown_failures += 1
             return Classification(None, FailureAction.RESTART_JOB, None, blamed, tuple(self._matches))
-        return Classification(cause.signature, cause.action, cause.signature.failure_class, blamed,
+        action = cause.action
+        if cause.signature.id in everywhere and action is FailureAction.ISOLATE_NODE:
+            action = FailureAction.RESTART_JOB
+        return Classification(cause.signature, action, cause.signature.failure_class, blamed,
                               tuple(self._matches), cause)
 
-    def reset(self, *, forget_history: bool = False) -> None:
+    def reset(self, *, forget_history: bool = False, scope: str = "") -> None:
         """Start the next incident. Counters and the unmatched report stay; so does the escalation history
-        (repeats across incidents are what `per: incident` escalations count) unless `forget_history`."""
+        (repeats across incidents are what `per: incident` escalations count) unless `forget_history`.
+        `scope` names whose incidents these are (a job): repeats count within a scope only."""
         self._incidents += 1
         self._reset_incident()
+        self._scope = scope
         if forget_history:
             self._history.clear()
 
@@ -305,7 +329,27 @@ class FailureClassifier:
 
     # -------------------------------------------------------------------------------------------- internals
 
+    def _everywhere(self) -> set[str]:
+        """Blaming signatures seen on every node of the incident, when it has `EVERYWHERE_NODES` or more (two
+        nodes blaming each other are the two sides of one link: both go, reference §4.3 #25)."""
+        nodes = self._nodes
+        if len(nodes) < EVERYWHERE_NODES:
+            return set()
+        return {sid for sid, seen in self._spread.items() if seen >= nodes}
+
+    def _blame_without(self, signatures: set[str]) -> dict[str, tuple[float, int, int]]:
+        """The blame of each node from its blaming matches other than `signatures`."""
+        blame: dict[str, tuple[float, int, int]] = {}
+        for m in self._matches:
+            if m.blames_node and m.signature.id not in signatures:
+                entry = (INF if m.t is None else m.t, -m.action.severity, m.seq)
+                if m.node not in blame or entry < blame[m.node]:
+                    blame[m.node] = entry
+        return blame
+
     def _reset_incident(self) -> None:
+        self._nodes = set()
+        self._spread = {}
         self._matches = []
         self._earliest = ({}, {})
         self._blame = {}
@@ -364,7 +408,7 @@ class FailureClassifier:
         action, escalated = signature.action, False
         escalation = signature.escalate
         if escalation is not None:
-            key = (signature.id, node)
+            key = (self._scope, signature.id, node if signature.blame_node else "")
             times = self._history.setdefault(key, [])
             if escalation.per == "event" or key not in self._counted:
                 self._counted.add(key)
@@ -389,6 +433,7 @@ class FailureClassifier:
             if known is None or (when, seq) < known[:2]:
                 group[action.severity] = (when, seq, match)
             if match.blames_node:
+                self._spread.setdefault(signature.id, set()).add(node)
                 blame = (when, -action.severity, seq)
                 if node not in self._blame or blame < self._blame[node]:
                     self._blame[node] = blame
@@ -537,21 +582,43 @@ def _emit(node: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------------------ timestamps
 
-_ISO = re.compile(r"^\W{0,3}(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?\s?(Z|[+-]\d\d:?\d\d)?")
-_DMESG_T = re.compile(r"^\[(\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]")
+#: What stands before a line's own text: a node or container name (`node2: `, `vllm-1  | `), torch's rank
+#: (`[rank3]:`), Ray's process (`(raylet, ip=10.0.0.1) `, `(EngineCore_DP0 pid=7) `), a kernel tag.
+_PREFIX = r"^(?:[\w.-]{1,64}:\s|[\w.-]{1,64}\s{1,4}\|\s|\[rank\d{1,6}\]:|\([^()\n]{1,80}\)\s)*\W{0,3}"
+_ISO = re.compile(_PREFIX + r"(\d{4})-(\d\d)-(\d\d)[T ](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?\s?(Z|[+-]\d\d:?\d\d)?")
+_DMESG_T = re.compile(_PREFIX + r"(\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4})\]")
+#: glog and torch's C++ logs (`I1201 12:00:00.123456 ...`, `[rank0]:[W1201 12:00:00.123456 ...]`; torch drops the
+#: month's leading zero: `E108` is 8 January), vLLM (`INFO 12-01 12:00:00 ...`): month, day, time, no year.
+_GLOG = re.compile(_PREFIX + r"(?:[IWEF]|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) )(\d{1,2}?)-?(\d\d) "
+                   r"(\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?\b")
+#: syslog (`Dec  1 12:00:00 host kernel: ...`), no year.
+_SYSLOG = re.compile(_PREFIX + r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) ([ \d]\d) (\d\d):(\d\d):(\d\d)\b")
+_MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
+                                         "Nov", "Dec"), start=1)}
 
 
-def line_timestamp(text: str) -> float | None:
-    """Seconds since the epoch from a line's leading ISO-8601 time (`2024-05-01T12:00:00.5Z`, `[2024-05-01
-    12:00:00,123]`; no zone = UTC) or `dmesg -T` time (`[Wed May  1 12:00:00 2024]`); None if neither."""
+def _seconds(year: int, month: int, day: int, hour: int, minute: int, second: int,
+             fraction: str | None) -> float | None:
+    try:
+        value = float(calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0)))
+    except (OverflowError, ValueError):
+        return None
+    if fraction:
+        value += int(fraction) / 10 ** len(fraction)
+    return value
+
+
+def line_timestamp(text: str, year: int | None = None) -> float | None:
+    """Seconds since the epoch from a line's leading time, behind the prefixes logs put before it (`_PREFIX`):
+    ISO 8601 (`2024-05-01T12:00:00.5Z`, `[2024-05-01 12:00:00,123]`; no zone = UTC), `dmesg -T` (`[Wed May  1
+    12:00:00 2024]`), glog/torch (`I0501 12:00:00.123456`, `[rank0]:[E108 20:04:34.4676 ...]`: 8 January),
+    vLLM (`INFO 05-01 12:00:00`) and syslog (`May  1 12:00:00`). The last three carry no year: `year`
+    (default: this year, UTC) is assumed, so lines of one incident order across nodes. None if none."""
     if (m := _ISO.match(text)) is not None:
-        year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
-        try:
-            seconds = float(calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0)))
-        except (OverflowError, ValueError):
+        year_, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+        seconds = _seconds(year_, month, day, hour, minute, second, m.group(7))
+        if seconds is None:
             return None
-        if m.group(7):
-            seconds += int(m.group(7)) / 10 ** len(m.group(7))
         zone = m.group(8)
         if zone and zone != "Z":
             sign = -1 if zone[0] == "+" else 1
@@ -563,4 +630,11 @@ def line_timestamp(text: str) -> float | None:
             return float(calendar.timegm(time.strptime(m.group(1), "%a %b %d %H:%M:%S %Y")))
         except ValueError:
             return None
+    assumed = time.gmtime().tm_year if year is None else year
+    if (m := _GLOG.match(text)) is not None:
+        month, day, hour, minute, second = (int(g) for g in m.groups()[:5])
+        return _seconds(assumed, month, day, hour, minute, second, m.group(6))
+    if (m := _SYSLOG.match(text)) is not None:
+        hour, minute, second = (int(g) for g in m.groups()[2:])
+        return _seconds(assumed, _MONTHS[m.group(1)], int(m.group(2)), hour, minute, second, None)
     return None

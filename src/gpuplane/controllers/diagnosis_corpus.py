@@ -389,6 +389,18 @@ def classify_case(classifier: FailureClassifier, case: Case) -> Classification:
     return classifier.verdict()
 
 
+def settled_action(verdict: Classification) -> FailureAction:
+    """The action a failure settles at: a deterministic fault's signature restarts once to rule out a
+    transient and stops when it recurs (an escalation to do-not-retry counted per incident); the label's
+    "a restart does not help" is that settled action, so it is what is compared."""
+    signature = verdict.signature
+    escalation = None if signature is None else signature.escalate
+    if (escalation is not None and escalation.per == "incident" and verdict.action is FailureAction.RESTART_JOB
+            and escalation.action is FailureAction.DO_NOT_RETRY):
+        return FailureAction.DO_NOT_RETRY
+    return verdict.action
+
+
 def score(corpus: Corpus | Iterable[CorpusEntry], library: SignatureLibrary | None = None) -> Score:
     """Run the classifier (over `library`, by default the bundled one) on every case of `corpus`."""
     if not isinstance(corpus, Corpus):
@@ -401,7 +413,7 @@ def score(corpus: Corpus | Iterable[CorpusEntry], library: SignatureLibrary | No
         in_library = any(line.strip() in examples for entry in case.entries for line in entry.log_lines())
         verdict = classify_case(classifier, case)
         cause = None if verdict.failure_class is None else CAUSE_OF_CLASS[verdict.failure_class]
-        action: Action = "none" if verdict.signature is None else ACTION_OF[verdict.action]
+        action: Action = "none" if verdict.signature is None else ACTION_OF[settled_action(verdict)]
         results.append(CaseResult(case, None if verdict.signature is None else verdict.signature.id, cause,
                                   action, in_library))
     return Score(tuple(results))

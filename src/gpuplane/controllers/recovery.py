@@ -142,10 +142,12 @@ class Evidence:
     """when the node's clock says it happened (None: when the incident is classified)"""
 
 
-def classify_incident(classifier: FailureClassifier, evidence: Sequence[Evidence], now: float) -> Classification:
+def classify_incident(classifier: FailureClassifier, evidence: Sequence[Evidence], now: float,
+                      scope: str = "") -> Classification:
     """One incident's verdict from everything it left behind (the classifier starts afresh). Evidence is
-    timed by its own `t` (the node's clock) when it has one, else by `now`."""
-    classifier.reset()
+    timed by its own `t` (the node's clock) when it has one, else by `now`. `scope` (the job) is whose
+    repeats escalate: a job's deterministic fault restarts once, then stops, on whatever nodes it reruns."""
+    classifier.reset(scope=scope)
     for item in evidence:
         t = now if item.t is None else item.t
         if item.line is not None:
@@ -273,7 +275,7 @@ class RecoveryController:
     def on_failure(self, job_name: str, evidence: Sequence[Evidence]) -> RecoveryOutcome:
         job = self.jobs[job_name]
         now = self.now()
-        verdict = classify_incident(self.classifier, evidence, now)
+        verdict = classify_incident(self.classifier, evidence, now, scope=job.name)
         cause = verdict.signature.id if verdict.signature is not None else "unknown failure"
         isolated = list(nodes_to_isolate(verdict))
         for node in isolated:

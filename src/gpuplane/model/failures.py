@@ -108,12 +108,20 @@ def signal_of_exit(code: int) -> str | None:
 # The structured evidence the classifier reads out of a line, besides the signatures' own patterns.
 #: dmesg: `NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: ...`
 XID_LINE = re.compile(r"NVRM: Xid \((?:PCI:)?[^)\n]{1,64}\): (\d{1,5}),")
+#: The Xid another line names as its cause or carries in another form: an Xid 45's `caused by previous Xid
+#: 149`, the device plugin's health line `XidCriticalError: Xid=69 on Device=GPU-...`. Read before `XID_LINE`:
+#: the named cause, not the echo's own code, is the evidence.
+#: NVLink5 Xids (144-150) carry their unit's verdict: a `Nonfatal` status is IGNORE in NVIDIA's NVLink5
+#: decode table (`NVRM: Xid (PCI:0018:01:00): 145, RLW_RXPIPE Nonfatal XC0 ...`), so the Xid is not read.
+NVLINK5_NONFATAL = re.compile(r", \w{2,32} Nonfatal\b")
+XID_NAMED = re.compile(r"caused by previous Xid (\d{1,5})\b|XidCriticalError: Xid=(\d{1,5})\b"
+                       r"|\bxid=(\d{1,5})\b.{0,120}\bunhealthy\b")
 #: torchrun's failure summary (`exitcode  : -6 (pid: 4242)`), `kubectl describe pod` (`Exit Code:    137`),
 #: pod status in YAML or JSON (`exitCode: 137`, `"exitCode":137`).
 EXIT_LINE = re.compile(r"\bexitcode\s{0,8}:\s{0,8}(-?\d{1,3})\b|\bExit Code:\s{0,16}(-?\d{1,3})\b"
                        r"|\bexitCode\"?\s{0,4}[:=]\s{0,4}(-?\d{1,3})\b")
 #: torchrun's elastic agent: `Signal 6 (SIGABRT) received by PID 4242`
-SIGNAL_LINE = re.compile(r"\bSignal \d{1,2} \((SIG[A-Z0-9]{2,8})\) received by PID")
+SIGNAL_LINE = re.compile(r"\b[Ss]ignal \d{1,2} \((SIG[A-Z0-9]{2,8})\) received by PID")
 
 Event = tuple[Literal["xid"], int] | tuple[Literal["exit"], int] | tuple[Literal["signal"], str]
 
@@ -121,8 +129,12 @@ Event = tuple[Literal["xid"], int] | tuple[Literal["exit"], int] | tuple[Literal
 def line_events(text: str) -> list[Event]:
     """The Xid, exit code and signal a log line reports (at most one of each), in that order."""
     events: list[Event] = []
-    if (m := XID_LINE.search(text)) is not None:
-        events.append(("xid", int(m.group(1))))
+    if (m := XID_NAMED.search(text)) is not None:
+        events.append(("xid", int(next(g for g in m.groups() if g is not None))))
+    elif (m := XID_LINE.search(text)) is not None:
+        xid = int(m.group(1))
+        if not (144 <= xid <= 150 and NVLINK5_NONFATAL.match(text, m.end(1))):
+            events.append(("xid", xid))
     if (m := EXIT_LINE.search(text)) is not None:
         code = int(next(g for g in m.groups() if g is not None))
         if code:
