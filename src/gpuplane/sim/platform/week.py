@@ -1,0 +1,534 @@
+"""One arm of the platform week: the whole fleet and all its work on one world.
+
+One `EventLoop`, one `SimCluster` and the production `Scheduler` (`build_world`, with the production
+admission, priority classes and team quotas). Every controller acts through the cluster port:
+
+- the GPU scaler (`controllers.autoscale.ScaledObjectScaler`) polls each A10/T4 service's DCGM-style
+  signal (`sim.scenario.signal.DcgmSignal`, read through the autoscale scenario's `SimPrometheus`) every
+  step and scales its workload to the HPA algorithm's count;
+- the tidal controller (`controllers.tidal.TidalController` with the learnt `SeasonalForecaster`, fed the
+  last minute's load each pass) scales the L40S services and lends emptied tidal nodes to training at
+  night (with `tidal` off it runs with lending off, as the tidal scenario's baseline);
+- the production scheduler places everything, preempts low-priority batch and near-line pods for the
+  pods above them, and holds team quotas;
+- faults on training nodes crash the gang there; recovery (on) restarts it after `recovery_s`, by hand
+  (off) after `manual_recovery_s`, during which the hung gang holds its cards.
+
+A capability that is off is what vanilla Kubernetes does instead (see `PlatformSettings.vanilla`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpuplane.controllers import (
+    EARLY_RECLAIM_REASON,
+    LOAN_TAINT,
+    RECLAIM_REASON,
+    SeasonalForecaster,
+    ServiceBinding,
+    TidalController,
+)
+from gpuplane.controllers.autoscale import ScaledObjectScaler, ScaledObjectSpec
+from gpuplane.model import MILLI_PER_CARD, PodRequest, QoS, Toleration, default_catalog
+from gpuplane.model.priority import BATCH_LOW, DEV, ONLINE, TRAINING, default_priority_classes
+from gpuplane.model.quota import QueueQuota, Quotas
+from gpuplane.model.tidal import TidalPolicy, TidalService, TidalWindow
+from gpuplane.port import ClusterEvent, EventKind, PodPhase
+from gpuplane.scheduler import PolicyConfig, default_registry
+from gpuplane.scheduler.scheduler import SchedulingRules
+from gpuplane.sim.autoscale import SimPrometheus
+from gpuplane.sim.engine import _Entry
+from gpuplane.sim.platform.fleet import (
+    DEV_POOL,
+    INFERENCE_POOL,
+    POOLS,
+    STABLE_POOL,
+    TIDAL_POOL,
+    TRAINING_POOL,
+    PlatformSettings,
+    build_fleet,
+    pool_configs,
+)
+from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, gpu_form, service_pools
+from gpuplane.sim.scenario import DAY_S, CheckpointingJob, WorkLedger, build_world
+from gpuplane.sim.scenario.signal import DcgmSignal, SignalSettings
+
+EVICTION_REASON = "gpuplane.io/eviction-reason"
+FAULT = "fault"
+PREEMPTED = "preempted"
+CLASSES = (ONLINE, TRAINING, DEV, BATCH_LOW)
+NIGHT = TidalWindow(name="night", shrink_at="22:30", lend_from="23:30", reclaim_at="07:30")
+
+
+class PlatformError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Task:
+    """A job of one or more pods (a gang, a batch or near-line pod, a dev box)."""
+
+    kind: str
+    job: CheckpointingJob | None
+    size: int
+    request: PodRequest
+    team: str = ""
+    attempt: int = 0
+    members: list[str] = field(default_factory=list)
+    bound: set[str] = field(default_factory=set)
+    stopping: bool = False
+    hung: bool = False
+    finish: _Entry | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class ArmRun:
+    """What one arm measured (samples after the warm-up; work over the whole run)."""
+
+    time_h: list[float] = field(default_factory=list)
+    util: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    """pool (and "fleet") → GPU utilisation (SM busy over the pool's cards, %) at each sample"""
+    alloc: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    nodes: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    inference_gpu_h: float = 0.0
+    inference_cost: float = 0.0
+    training_held_gpu_h: float = 0.0
+    team_cost: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ledger: WorkLedger = field(default_factory=WorkLedger)
+    batch: WorkLedger = field(default_factory=WorkLedger)
+    waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    slo_minutes: float = 0.0
+    shortage_minutes: float = 0.0
+    lent_share: list[float] = field(default_factory=list)
+    coloc_alloc: list[float] = field(default_factory=list)
+    density: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    evictions: int = 0
+    failures: list[float] = field(default_factory=list)
+    recoveries: list[float] = field(default_factory=list)
+    jobs_done: int = 0
+    loans: int = 0
+    early_reclaims: int = 0
+
+
+def _tidal_policy(s: PlatformSettings, services: list[Service]) -> TidalPolicy:
+    specs = []
+    for svc in services:
+        top = max(1, math.ceil(float(svc.curve.value.max()) * 1.2 / s.per_replica_capacity))
+        specs.append(TidalService(name=svc.name, min_replicas=min(top, math.ceil(0.15 * svc.peak_replicas)),
+                                  max_replicas=top, day_floor=min(top, math.ceil(0.5 * svc.peak_replicas))))
+    return TidalPolicy(services=tuple(specs), windows=(NIGHT,), reclaim_grace_s=s.reclaim_grace_s)
+
+
+def run_arm(s: PlatformSettings) -> ArmRun:
+    catalog = default_catalog()
+    rng = np.random.default_rng(s.seed)
+    services = build_services(s, rng)
+    nodes = build_fleet(s)
+    classes = default_priority_classes()
+    training_gpus = (s.a100_nodes + s.h100_nodes) * s.gpus_per_node
+    teams = [f"team-{i}" for i in range(s.teams)]
+    quotas = Quotas([QueueQuota(t, min_gpus=training_gpus / s.teams) for t in teams])
+    profile = default_registry().build(PolicyConfig(node_policy="binpack" if s.binpack else "spread", seed=s.seed))
+    pools = pool_configs(s)
+    world = build_world(catalog, nodes, profile, seed=s.seed, stop_s=s.kubelet_stop_s, classes=classes,
+                        pools=pools, rules=SchedulingRules(classes=classes, quotas=quotas,
+                                                                     retry_preemptors_every_s=s.retry_preemptors_s))
+    if world.admission is not None:  # build_world takes no quotas: the admission gets the scheduler's
+        world.admission.quotas = quotas
+    loop, cluster, scheduler = world.loop, world.cluster, world.scheduler
+    horizon, warmup, dt = s.days * DAY_S, s.warmup_hours * 3600.0, s.step_s
+    run = ArmRun()
+    price = {n.name: s.price_per_gpu_h.get(n.gpu_model or "", 0.0) for n in nodes}
+    gpus_of = {n.name: n.gpus for n in nodes}
+
+    # ---------------------------------------------------------------- inference
+    scaled = [svc for svc in services if svc.kind == SCALED]
+    tidal_services = [svc for svc in services if svc.kind == TIDAL]
+    by_workload: dict[str, Service] = {}
+    for svc in services:
+        for workload, allowed in service_pools(svc).items():
+            template = PodRequest(workload, cpu_milli=4000, memory_mib=16_384,
+                                  gpu=gpu_form(s, svc.model, svc.need_milli), priority_class=ONLINE, qos=QoS.ONLINE,
+                                  pools=allowed, models=frozenset({svc.model}))
+            cluster.create_workload(workload, template, 0)
+            by_workload[workload] = svc
+    serving: dict[str, tuple[Service, float]] = {}
+    """replica pod → its service and when it serves"""
+    signal_rng = np.random.default_rng([s.seed, 3])
+    scalers: dict[str, tuple[ScaledObjectScaler, DcgmSignal, SimPrometheus]] = {}
+    if s.autoscale:
+        for svc in scaled:
+            query = f'sum(DCGM_FI_DEV_GPU_UTIL{{namespace="serving",pod=~"{svc.name}-.*"}})'
+            spec = ScaledObjectSpec(name=svc.name, namespace="serving", query=query,
+                                    target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4)
+            dcgm = DcgmSignal(SignalSettings(), dt, signal_rng)
+            scalers[svc.name] = (ScaledObjectScaler(spec), dcgm, SimPrometheus({query: dcgm.query}))
+            cluster.scale(svc.name, max(1, math.ceil(svc.load(0.0) / s.per_replica_capacity)))
+    else:
+        for svc in scaled:
+            cluster.scale(svc.name, svc.static_replicas(s.per_replica_capacity, s.static_headroom))
+    tidal: TidalController | None = None
+    if s.autoscale or s.tidal:
+        forecaster = SeasonalForecaster()
+        for svc in tidal_services:  # a day of observed history before the run (the week repeats its first day)
+            for k in range(int(DAY_S // 60)):
+                forecaster.observe(svc.name, k * 60.0 - DAY_S + 60.0, svc.load(k * 60.0))
+        bindings = [ServiceBinding(svc.name, s.per_replica_capacity, MILLI_PER_CARD) for svc in tidal_services]
+        tidal = TidalController(cluster, _tidal_policy(s, tidal_services), bindings, forecaster, loop.now,
+                                load=lambda name: by_workload[f"{name}-tidal"].load(max(0.0, loop.now() - 60.0)),
+                                lend=s.tidal, training_pool=TRAINING_POOL, tidal_pool=TIDAL_POOL, seed=s.seed)
+    else:
+        for svc in tidal_services:
+            static = svc.static_replicas(s.per_replica_capacity, s.static_headroom)
+            stable = min(static, s.stable_nodes * s.gpus_per_node * svc.peak_replicas
+                         // max(1, sum(x.peak_replicas for x in tidal_services)))
+            cluster.scale(f"{svc.name}-stable", stable)
+            cluster.scale(f"{svc.name}-tidal", static - stable)
+
+    # ---------------------------------------------------------------- jobs
+    tasks: dict[str, _Task] = {}
+    task_of: dict[str, _Task] = {}
+    job_rng = np.random.default_rng([s.seed, 5])
+    counter = [0]
+    save = s.save_model()
+
+    def submit(task: _Task) -> None:
+        base = f"{task.request.name}.{task.attempt}"
+        task.members = [f"{base}.{i}" for i in range(task.size)] if task.size > 1 else [base]
+        task.bound, task.stopping, task.hung = set(), False, False
+        for member in task.members:
+            request = PodRequest(member, cpu_milli=task.request.cpu_milli, memory_mib=task.request.memory_mib,
+                                 gpu=task.request.gpu, priority_class=task.request.priority_class,
+                                 qos=task.request.qos, gang=base if task.size > 1 else None,
+                                 gang_size=task.size if task.size > 1 else 0, queue=task.request.queue,
+                                 pools=task.request.pools, tolerations=task.request.tolerations,
+                                 checkpoint_every_s=task.request.checkpoint_every_s)
+            task_of[member] = task
+            status = cluster.create_pod(request)
+            if not status.ok:
+                raise PlatformError(status.message)
+
+    def new_task(kind: str) -> _Task:
+        counter[0] += 1
+        name = f"{kind}-{counter[0]:06d}"
+        if kind == TRAINING:
+            size = int(s.job_nodes[int(job_rng.integers(len(s.job_nodes)))])
+            team = teams[int(job_rng.integers(len(teams)))]
+            low, high = s.job_work_hours
+            gpus = size * s.gpus_per_node
+            job: CheckpointingJob | None = CheckpointingJob(name, float(job_rng.uniform(low, high)) * 3600.0,
+                                                            gpus, save)
+            request = PodRequest(name, cpu_milli=64_000, memory_mib=524_288, gpu=gpu_form(s, "A100-80GB",
+                                 s.gpus_per_node * MILLI_PER_CARD), priority_class=TRAINING, qos=QoS.OFFLINE,
+                                 queue=team, pools=frozenset({TRAINING_POOL}),
+                                 tolerations=(Toleration(LOAN_TAINT.key),), checkpoint_every_s=s.checkpoint_every_s)
+            task = _Task(kind, job, size, request, team)
+        elif kind == BATCH_LOW:
+            work = float(np.clip(job_rng.exponential(s.batch_hours * 3600.0), 300.0, 4 * s.batch_hours * 3600.0))
+            job = CheckpointingJob(name, work, 1.0, save)
+            request = PodRequest(name, cpu_milli=8000, memory_mib=65_536, gpu=gpu_form(s, "A100-80GB", MILLI_PER_CARD),
+                                 priority_class=BATCH_LOW, qos=QoS.BEST_EFFORT, pools=frozenset({TRAINING_POOL}),
+                                 tolerations=(Toleration(LOAN_TAINT.key),), checkpoint_every_s=s.checkpoint_every_s)
+            task = _Task(kind, job, 1, request)
+        elif kind == "nearline":
+            work = float(np.clip(job_rng.exponential(s.nearline_hours * 3600.0), 120.0,
+                                 4 * s.nearline_hours * 3600.0))
+            job = CheckpointingJob(name, work, s.nearline_milli / MILLI_PER_CARD, save)
+            request = PodRequest(name, cpu_milli=2000, memory_mib=8192, gpu=gpu_form(s, "T4", s.nearline_milli, 0.25),
+                                 priority_class=BATCH_LOW, qos=QoS.OFFLINE, pools=frozenset({INFERENCE_POOL}),
+                                 checkpoint_every_s=s.checkpoint_every_s)
+            task = _Task(kind, job, 1, request)
+        else:  # a dev box
+            request = PodRequest(name, cpu_milli=4000, memory_mib=32_768,
+                                 gpu=gpu_form(s, "A30-24GB", 250, s.dev_memory_mib / 24_576), priority_class=DEV,
+                                 qos=QoS.ONLINE, pools=frozenset({DEV_POOL}))
+            task = _Task(kind, None, 1, request)
+        tasks[name] = task
+        submit(task)
+        return task
+
+    def waiting(kind: str) -> int:
+        return sum(1 for t in tasks.values() if t.kind == kind and not t.bound and not t.stopping)
+
+    def top_up() -> None:
+        if loop.now() >= horizon:
+            return
+        for kind, on, backlog in ((TRAINING, True, s.training_backlog), (BATCH_LOW, s.backfill, s.batch_backlog),
+                                  ("nearline", s.colocation, s.nearline_backlog)):
+            if on:
+                for _ in range(backlog - waiting(kind)):
+                    new_task(kind)
+
+    def finish(task: _Task) -> None:
+        if task.job is None or not task.job.running or task.stopping:
+            return
+        task.job.complete(loop.now())
+        (run.ledger if task.kind == TRAINING else run.batch).completed(task.job)
+        run.jobs_done += task.kind == TRAINING
+        task.done = task.stopping = True
+        for member in task.members:
+            cluster.evict(member, grace_s=0.0, reason="completed")
+
+    def start(task: _Task) -> None:
+        if task.job is None:
+            return
+        now = loop.now()
+        task.job.start(now)
+        task.finish = loop.call_at(task.job.finish_time(now), functools.partial(finish, task))
+
+    def stop(task: _Task, grace_s: float, cause: str) -> None:
+        now = loop.now()
+        task.stopping = True
+        if task.finish is not None:
+            task.finish.cancel()
+            task.finish = None
+        exit_at = now
+        if task.job is not None and task.job.running:
+            outcome = task.job.stop(now, grace_s)
+            (run.ledger if task.kind == TRAINING else run.batch).stopped(task.job, outcome, cause)
+            exit_at = outcome.exit_s
+        for member in task.members:
+            info = cluster.get_pod(member)
+            if info is not None and info.phase in (PodPhase.RUNNING, PodPhase.PENDING):
+                cluster.evict(member, grace_s=max(0.0, exit_at - now), reason="gang stop")
+        loop.call_at(exit_at, functools.partial(exited, task))
+
+    def exited(task: _Task) -> None:
+        for member in task.members:
+            info = cluster.get_pod(member)
+            if info is not None and info.phase is PodPhase.TERMINATING:
+                cluster.container_exited(member)
+
+    def gone(task: _Task) -> None:
+        if any(cluster.get_pod(m) is not None for m in task.members):
+            return
+        for member in task.members:
+            task_of.pop(member, None)
+        if task.done or task.kind == DEV or loop.now() >= horizon:
+            tasks.pop(task.request.name, None)
+            return
+        task.attempt += 1
+        submit(task)
+
+    def on_event(event: ClusterEvent) -> None:
+        pod = event.pod
+        if pod is None:
+            return
+        now = loop.now()
+        workload = pod.request.workload
+        if workload is not None:
+            if event.kind is EventKind.POD_BOUND:
+                serving[pod.name] = (by_workload[workload], now + s.startup_s)
+                if now >= warmup:
+                    run.waits[ONLINE].append(now - pod.created_at)
+            elif event.kind in (EventKind.POD_DELETED, EventKind.POD_TERMINATING):
+                serving.pop(pod.name, None)
+            return
+        task = task_of.get(pod.name)
+        if task is None:
+            return
+        if event.kind is EventKind.POD_BOUND:
+            task.bound.add(pod.name)
+            if now >= warmup and pod.request.priority_class is not None and task.attempt == 0:
+                run.waits[pod.request.priority_class].append(now - pod.created_at)
+            if len(task.bound) == task.size and not task.stopping:
+                start(task)
+        elif event.kind is EventKind.POD_TERMINATING and not task.stopping:
+            reason = dict(pod.annotations).get(EVICTION_REASON, "")
+            if reason in (RECLAIM_REASON, EARLY_RECLAIM_REASON):
+                cause, grace = "reclaim", s.reclaim_grace_s
+            else:
+                cause, grace = PREEMPTED, classes.victim_grace_s(pod.request)
+            run.preemptions += cause == PREEMPTED
+            run.evictions += 1
+            stop(task, grace, cause)
+        elif event.kind is EventKind.POD_DELETED:
+            if not task.stopping:
+                stop(task, 0.0, PREEMPTED)
+            loop.call_later(0.0, functools.partial(gone, task))
+
+    cluster.watch(on_event)
+
+    # ---------------------------------------------------------------- faults
+    fault_rng = np.random.default_rng([s.seed, 7])
+    training_nodes = [n.name for n in nodes if n.pool == TRAINING_POOL]
+
+    def fault() -> None:
+        node = training_nodes[int(fault_rng.integers(len(training_nodes)))]
+        now = loop.now()
+        run.failures.append(now / 3600.0)
+        cluster.patch_node(node, unschedulable=True)
+        loop.call_later(s.repair_s, functools.partial(repaired, node))
+        hit = {task_of[b.request.name] for b in cluster.state.bindings.values()
+               if b.assignment.node == node and b.request.name in task_of}
+        for task in hit:
+            if task.kind != TRAINING or task.stopping or task.job is None or not task.job.running:
+                if task.job is not None and task.job.running and not task.stopping:
+                    stop(task, 0.0, FAULT)
+                continue
+            if task.finish is not None:
+                task.finish.cancel()
+                task.finish = None
+            run.ledger.stopped(task.job, task.job.crash(now), FAULT)
+            task.hung = True  # the gang holds its cards until someone (or something) restarts it
+            delay = s.recovery_s if s.recovery else s.manual_recovery_s
+            loop.call_later(delay, functools.partial(recover, task))
+
+    def repaired(node: str) -> None:
+        cluster.patch_node(node, unschedulable=False)
+
+    def recover(task: _Task) -> None:
+        run.recoveries.append(loop.now() / 3600.0)
+        task.stopping = True
+        for member in task.members:
+            if cluster.get_pod(member) is not None:
+                cluster.evict(member, grace_s=0.0, reason=FAULT)
+
+    rate = s.failure_rate_per_node_day * len(training_nodes) / DAY_S
+    t = float(fault_rng.exponential(1.0 / rate)) if rate > 0 else math.inf
+    while t < horizon:
+        loop.call_at(t, fault)
+        t += float(fault_rng.exponential(1.0 / rate))
+
+    # ---------------------------------------------------------------- the step
+    dev_shape = np.asarray(s.load_model().model_copy(update={"peak_hour": 15.0}).shape(np.arange(0.0, DAY_S, 60.0)))
+    dev_max = float(dev_shape.max())
+
+    def dev_boxes() -> None:
+        want = round(s.dev_boxes * float(dev_shape[int(loop.now() % DAY_S // 60)]) / dev_max)
+        open_boxes = [t for t in tasks.values() if t.kind == DEV and not t.stopping]
+        for _ in range(want - len(open_boxes)):
+            new_task(DEV)
+        for task in open_boxes[: max(0, len(open_boxes) - want)]:
+            stop(task, 0.0, "closed")
+
+    def step() -> None:
+        now = loop.now()
+        ready: dict[str, int] = defaultdict(int)
+        for svc_, since in serving.values():
+            if since <= now:
+                ready[svc_.name] += 1
+        for svc in scaled:
+            load = svc.load(now)
+            up = ready[svc.name]
+            if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
+                run.slo_minutes += dt / 60.0
+            if svc.name in scalers:
+                scaler, dcgm, source = scalers[svc.name]
+                busy = min(load / s.per_replica_capacity, float(up))
+                dcgm.tick(now, busy * 100.0 / 100.0, up, max(up, 1))
+                scaler.poll(now, source)
+                if scaler.replicas > 0:
+                    cluster.scale(svc.name, max(1, scaler.replicas))
+        for svc in tidal_services:
+            if now >= warmup and svc.load(now) > ready[svc.name] * s.per_replica_capacity * (1 + 1e-9):
+                run.slo_minutes += dt / 60.0
+        if tidal is not None:
+            tidal.reconcile()
+        dev_boxes()
+        top_up()
+        scheduler.run_pending()
+        if now >= warmup:
+            pending_online = any(p.phase is PodPhase.PENDING for p in cluster.list_pods()
+                                 if p.request.workload is not None) if int(now // dt) % 5 == 0 else False
+            run.shortage_minutes += 5 * dt / 60.0 if pending_online else 0.0
+            book(now)
+        if now + dt < horizon:
+            loop.call_later(dt, step)
+
+    def book(now: float) -> None:
+        """GPU-hours by kind over the step from `now`."""
+        h = dt / 3600.0
+        for b in cluster.state.bindings.values():
+            gpus = b.assignment.gpu_milli / MILLI_PER_CARD
+            node = b.assignment.node
+            if b.request.workload is not None:
+                run.inference_gpu_h += gpus * h
+                run.inference_cost += gpus * h * price[node]
+            else:
+                task = task_of.get(b.request.name)
+                if task is not None and task.kind == TRAINING:
+                    run.training_held_gpu_h += gpus * h
+                    run.team_cost[task.team] += gpus * h * price[node]
+
+    def busy_milli(name: str, milli: int) -> float:
+        info = cluster.get_pod(name)
+        if info is None:
+            return 0.0
+        workload = info.request.workload
+        now = loop.now()
+        if workload is not None:
+            svc = by_workload[workload]
+            up = max(1, sum(1 for v, since in serving.values() if v is svc and since <= now))
+            share = min(1.0, svc.load(now) / (up * s.per_replica_capacity))
+            return share * min(svc.need_milli, milli) if name in serving and serving[name][1] <= now else 0.0
+        task = task_of.get(name)
+        if task is None or (task.job is None and task.kind != DEV):
+            return 0.0
+        if task.kind == DEV:
+            return s.dev_busy * MILLI_PER_CARD
+        if task.job is None or not task.job.running or task.hung:
+            return 0.0
+        busy = s.training_busy if task.kind == TRAINING else s.batch_busy
+        return busy * (milli if task.kind != "nearline" else s.nearline_milli)
+
+    def sample() -> None:
+        now = loop.now()
+        if now >= warmup:
+            pool_of = {n.name: n.spec.pool for n in cluster.list_nodes()}
+            capacity: dict[str, int] = defaultdict(int)
+            count: dict[str, int] = defaultdict(int)
+            for n in cluster.list_nodes():
+                capacity[n.spec.pool] += n.spec.gpus * MILLI_PER_CARD
+                count[n.spec.pool] += 1
+            node_busy: dict[str, float] = defaultdict(float)
+            node_alloc: dict[str, int] = defaultdict(int)
+            dev_pods = 0
+            dev_cards: set[tuple[str, int]] = set()
+            for b in cluster.state.bindings.values():
+                node = b.assignment.node
+                node_alloc[node] += b.assignment.gpu_milli
+                node_busy[node] += busy_milli(b.request.name, b.assignment.gpu_milli)
+                if pool_of[node] == DEV_POOL:
+                    dev_pods += 1
+                    dev_cards.update((node, c) for c in b.assignment.card_indexes)
+            busy: dict[str, float] = defaultdict(float)
+            alloc: dict[str, float] = defaultdict(float)
+            for node, value in node_busy.items():
+                busy[pool_of[node]] += min(value, gpus_of[node] * MILLI_PER_CARD)
+            for node, value in node_alloc.items():
+                alloc[pool_of[node]] += value
+            run.time_h.append(now / 3600.0)
+            for pool in POOLS:
+                cap = capacity.get(pool, 0)
+                run.util[pool].append(100.0 * busy[pool] / cap if cap else 0.0)
+                run.alloc[pool].append(100.0 * alloc[pool] / cap if cap else 0.0)
+                run.nodes[pool].append(count.get(pool, 0))
+            total = sum(capacity.values())
+            run.util["fleet"].append(100.0 * sum(busy.values()) / total)
+            run.alloc["fleet"].append(100.0 * sum(alloc.values()) / total)
+            inference_cap = sum(capacity.get(p, 0) for p in (INFERENCE_POOL, STABLE_POOL, TIDAL_POOL))
+            lent = len(tidal.ledger) if tidal is not None else 0
+            if NIGHT.phase(now) == "lend":
+                run.lent_share.append(100.0 * lent * s.gpus_per_node * MILLI_PER_CARD / max(1, inference_cap + lent
+                                                                                             * s.gpus_per_node
+                                                                                             * MILLI_PER_CARD))
+            run.coloc_alloc.append(run.alloc[INFERENCE_POOL][-1])
+            run.density.append(dev_pods / len(dev_cards) if dev_cards else 0.0)
+        if now + s.sample_s < horizon:
+            loop.call_later(s.sample_s, sample)
+
+    loop.call_at(0.0, step)
+    loop.call_at(0.0, sample)
+    loop.run(until=horizon)
+    if tidal is not None:
+        run.loans, run.early_reclaims = tidal.stats.loans, tidal.stats.early_reclaims
+    return run
