@@ -16,18 +16,12 @@ import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+import orjson
 import urllib3
 from kubernetes import config as kube_config
 from kubernetes.client import ApiClient, Configuration
 
 from gpuplane.model import GpuplaneError
-
-try:  # not a dependency: used where installed, with the standard library's answer where it refuses
-    import orjson
-
-    _orjson: Any = orjson
-except ImportError:  # pragma: no cover (installed in this project's images)
-    _orjson = None
 
 JsonObject = dict[str, Any]
 PatchType = Literal["merge", "strategic", "json"]
@@ -77,29 +71,25 @@ class KubeApi(Protocol):
 
 
 def loads(raw: bytes | str) -> Any:
-    """`json.loads`, through orjson where it is installed (a third of the CPU on a watch event or an answer).
+    """`json.loads` through orjson (a third of the CPU on a watch event or an answer).
     What orjson refuses (NaN, infinities, bad input) goes to `json`, so those answers and errors are json's.
     One difference: an integer past 64 bits is read as a float, as the API server's own decoder reads it
     (apimachinery's JSON numbers are int64, else float64), so no API server sends one."""
-    if _orjson is not None:
-        try:
-            return _orjson.loads(raw)
-        except _orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 def dumps(body: Any) -> bytes:
-    """A request body as compact JSON (UTF-8), through orjson where it is installed; what it cannot encode
+    """A request body as compact JSON (UTF-8) through orjson; what it cannot encode
     (keys that are not strings, integers past 64 bits, other types) is encoded by `json` as before. One
     difference: a NaN or infinite float, which no API server accepts, is written null rather than `NaN`."""
-    if _orjson is not None:
-        try:
-            encoded: bytes = _orjson.dumps(body)
-            return encoded
-        except TypeError:  # orjson.JSONEncodeError
-            pass
-    return json.dumps(body, separators=(",", ":")).encode()
+    try:
+        encoded: bytes = orjson.dumps(body)
+        return encoded
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def pod_path(namespace: str, name: str = "", sub: str = "") -> str:
