@@ -17,6 +17,7 @@ from rich.table import Table
 from gpuplane.cli import snapshot_cmd
 from gpuplane.cli.common import fail as _fail
 from gpuplane.cli.common import policy_config
+from gpuplane.controllers.colocation import GUARD_REACTION
 from gpuplane.model import (
     MILLI_PER_CARD,
     Catalog,
@@ -576,7 +577,8 @@ def _print_figures(title: str, figures: dict[str, Any], as_json: bool) -> None:
 @bench_app.command("guard")
 def bench_guard(
     samples: Annotated[int, typer.Option(help="online-demand flips measured")] = 50,
-    poll_s: Annotated[float, typer.Option(help="the guard's poll period (seconds)")] = 0.05,
+    poll_s: Annotated[float, typer.Option(help="the guard's poll period (seconds; default the shipped one)")] \
+        = GUARD_REACTION.poll_s,
     offline: Annotated[int, typer.Option(help="offline busy-loop processes to stop")] = 2,
     seed: SeedOpt = 42,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
