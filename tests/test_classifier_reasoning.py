@@ -6,8 +6,10 @@ from __future__ import annotations
 import calendar
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpuplane.controllers.classifier import FailureClassifier, line_timestamp
+from gpuplane.controllers.classifier import FailureClassifier, _normalise_by_word, line_timestamp, normalise_line
 from gpuplane.controllers.diagnosis_corpus import settled_action
 from gpuplane.model.failures import FailureAction, line_events, load_signature_library
 
@@ -117,3 +119,10 @@ def test_lines_of_two_nodes_order_by_their_own_clocks() -> None:
     c.feed_line("node-b", "E1201 12:00:05.000000 7 ProcessGroupNCCL.cpp:1] ncclRemoteError: remote process exited")
     verdict = c.verdict()
     assert verdict.cause is not None and verdict.cause.node == "node-b"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(alphabet="0123456789abcdefxXABCDEFghz _.:-\t/", max_size=120).map(str.encode))
+def test_the_fast_template_is_the_word_by_word_rule(line: bytes) -> None:
+    # five substitutions without callbacks give the template the word-by-word rule gives
+    assert normalise_line(line) == _normalise_by_word(line)
