@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ from gpuplane.sim.platform.fleet import (
 from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, gpu_form, service_pools
 from gpuplane.sim.scenario import DAY_S, CheckpointingJob, WorkLedger, build_world
 from gpuplane.sim.scenario.signal import DcgmSignal, SignalSettings
+from gpuplane.sim.scenario.world import World
 
 EVICTION_REASON = "gpuplane.io/eviction-reason"
 FAULT = "fault"
@@ -127,7 +129,8 @@ def _tidal_policy(s: PlatformSettings, services: list[Service]) -> TidalPolicy:
     return TidalPolicy(services=tuple(specs), windows=(NIGHT,), reclaim_grace_s=s.reclaim_grace_s)
 
 
-def run_arm(s: PlatformSettings) -> ArmRun:
+def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None) -> ArmRun:
+    """One arm's week. `on_world` sees the world once it is built (tests sample it)."""
     catalog = default_catalog()
     rng = np.random.default_rng(s.seed)
     services = build_services(s, rng)
@@ -528,6 +531,8 @@ def run_arm(s: PlatformSettings) -> ArmRun:
 
     loop.call_at(0.0, step)
     loop.call_at(0.0, sample)
+    if on_world is not None:
+        on_world(world)
     loop.run(until=horizon)
     if tidal is not None:
         run.loans, run.early_reclaims = tidal.stats.loans, tidal.stats.early_reclaims

@@ -1,0 +1,138 @@
+"""The platform week: the fleet as configured, one world for every controller, vanilla's whole cards, the
+ablation flags, and no card over-allocated at any sample."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuplane.model import Fraction, WholeCards, default_catalog
+from gpuplane.model.priority import BATCH_LOW, DEV, TRAINING
+from gpuplane.sim.platform import CAPABILITIES, SCENARIO, PlatformSettings, build_fleet, run_arm
+from gpuplane.sim.platform.fleet import DEV_POOL, TIDAL_POOL, TRAINING_POOL, pool_configs
+from gpuplane.sim.platform.work import gpu_form
+from gpuplane.sim.scenario.kit import check_scenario
+from gpuplane.sim.scenario.world import World
+
+TINY = {**SCENARIO.quick, "days": 0.5, "warmup_hours": 1.0}
+
+
+def test_the_scenario_follows_the_rules() -> None:
+    assert check_scenario(SCENARIO) == []
+
+
+def test_the_default_fleet_is_a_mid_size_fleet() -> None:
+    nodes = build_fleet(PlatformSettings())
+    by_pool: dict[str, int] = defaultdict(int)
+    for node in nodes:
+        by_pool[node.pool] += node.gpus
+    # training: (200 A100 + 200 H100) × 8 = 3,200; inference A10/T4: (150 + 150) × 8 = 2,400;
+    # L40S: 200 × 8 = 1,600, a quarter (50 nodes, 400 GPUs) stable and 150 nodes (1,200 GPUs) lendable;
+    # dev: 200 × 4 A30 = 800. 1,100 nodes, 8,000 GPUs.
+    assert len(nodes) == 1100
+    assert sum(by_pool.values()) == 8000
+    assert dict(by_pool) == {"training": 3200, "inference": 2400, "inference-stable": 400,
+                             "inference-tidal": 1200, "dev": 800}
+    catalog = default_catalog()
+    assert {n.gpu_model for n in nodes} == {"A100-80GB", "H100-80GB", "A10", "T4", "L40S", "A30-24GB"}
+    assert all(catalog.get(n.gpu_model or "") for n in nodes)
+
+
+@pytest.mark.parametrize(("vgpu", "oversell"), [(True, 2.0), (False, 1.0)])
+def test_dev_memory_is_oversold_only_with_vgpu(vgpu: bool, oversell: float) -> None:
+    pools = pool_configs(PlatformSettings(vgpu=vgpu))
+    assert pools[DEV_POOL].memory_oversell == oversell
+    assert pools[TRAINING_POOL].memory_oversell == 1.0
+
+
+@pytest.mark.parametrize(("vgpu", "milli", "expected"), [
+    (True, 500, Fraction(compute_milli=500, memory_mib=11_514)),  # half of an A10's 23,028 MiB
+    (False, 500, WholeCards(1)),  # the device plugin rounds a half card up
+    (False, 250, WholeCards(1)),
+    (True, 1000, WholeCards(1)),
+    (False, 8000, WholeCards(8)),
+])
+def test_a_fraction_is_whole_cards_without_vgpu(vgpu: bool, milli: int, expected: object) -> None:
+    assert default_catalog().get("A10").memory_mib == 23_028
+    assert gpu_form(PlatformSettings(vgpu=vgpu), "A10", milli) == expected
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_an_ablation_switches_exactly_one_capability(capability: str) -> None:
+    base = PlatformSettings()
+    moved = base.without(capability)
+    before, after = base.model_dump(), moved.model_dump()
+    assert [k for k in before if before[k] != after[k]] == [capability]
+
+
+def test_vanilla_switches_every_capability_and_the_scoring() -> None:
+    base, vanilla = PlatformSettings(), PlatformSettings().vanilla()
+    before, after = base.model_dump(), vanilla.model_dump()
+    assert sorted(k for k in before if before[k] != after[k]) == sorted((*CAPABILITIES, "binpack"))
+
+
+def _sampler(world: World, every_s: float, seen: list[dict[str, object]]) -> None:
+    """Every `every_s`, what the one cluster holds: each card's compute and memory, pools of nodes, kinds."""
+    catalog = default_catalog()
+
+    def sample() -> None:
+        compute: dict[tuple[str, int], int] = defaultdict(int)
+        memory: dict[tuple[str, int], int] = defaultdict(int)
+        kinds: set[str] = set()
+        whole = True
+        for binding in world.cluster.state.bindings.values():
+            request = binding.request
+            kinds.add(request.workload.split("-svc")[0] if request.workload else str(request.priority_class))
+            for share in binding.assignment.cards:
+                compute[(binding.assignment.node, share.card)] += share.compute_milli
+                memory[(binding.assignment.node, share.card)] += share.memory_mib
+                whole &= share.compute_milli == 1000
+        nodes = {n.name: n.spec for n in world.cluster.list_nodes()}
+        pools = world.cluster.state.pools
+        oversell = {name: pools[spec.pool].memory_oversell if spec.pool in pools else 1.0
+                    for name, spec in nodes.items()}
+        seen.append({
+            "over_compute": [k for k, v in compute.items() if v > 1000],
+            "over_memory": [k for k, v in memory.items()
+                            if v > catalog.get(nodes[k[0]].gpu_model or "").memory_mib * oversell[k[0]]],
+            "kinds": kinds, "whole": whole,
+            "lent": sum(1 for spec in nodes.values() if spec.name.startswith("l40s-tidal") and spec.pool
+                        == TRAINING_POOL),
+            "tidal_home": sum(1 for spec in nodes.values() if spec.pool == TIDAL_POOL),
+        })
+        world.loop.call_later(every_s, sample)
+
+    world.loop.call_later(every_s, sample)
+
+
+def test_vanilla_gets_whole_cards_only() -> None:
+    seen: list[dict[str, object]] = []
+    run_arm(PlatformSettings(**TINY).vanilla(), lambda w: _sampler(w, 1800.0, seen))
+    assert seen and all(s["whole"] for s in seen)
+    assert not any(s["lent"] for s in seen)  # vanilla lends nothing
+
+
+def test_every_controller_acts_on_the_one_cluster() -> None:
+    """On the one SimCluster: the GPU scaler's and the tidal controller's replicas, training gangs, dev
+    boxes, batch backfill and near-line pods, and (at night) L40S nodes lent into the training pool."""
+    seen: list[dict[str, object]] = []
+    run = run_arm(PlatformSettings(**{**TINY, "days": 1.0}), lambda w: _sampler(w, 1800.0, seen))
+    kinds = set().union(*(s["kinds"] for s in seen))  # type: ignore[arg-type]
+    assert {"a10", "t4", "l40s", TRAINING, DEV, BATCH_LOW} <= kinds
+    assert max(int(s["lent"]) for s in seen) > 0  # type: ignore[call-overload]
+    assert run.loans > 0
+    assert not all(s["whole"] for s in seen)  # vGPU fractions were placed
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), vgpu=st.booleans(), binpack=st.booleans())
+def test_no_card_is_over_allocated_at_any_sample(seed: int, vgpu: bool, binpack: bool) -> None:
+    seen: list[dict[str, object]] = []
+    run_arm(PlatformSettings(**{**TINY, "days": 0.25, "warmup_hours": 0.5, "seed": seed, "vgpu": vgpu,
+                                "binpack": binpack}), lambda w: _sampler(w, 600.0, seen))
+    assert seen
+    assert all(not s["over_compute"] for s in seen)
+    assert all(not s["over_memory"] for s in seen)
