@@ -187,7 +187,7 @@ def test_a_plan_never_overfills_a_card_and_the_freed_cards_fit(case: tuple[Layou
 # ---------------------------------------------------------------------------------------------- controller
 def test_freed_cards_go_to_the_pending_pod_not_a_later_arrival() -> None:
     # n0 (2 cards): a (500) on card 0, b (500) on card 1. n1 (1 card): c (400), 600 free. A whole-card pod
-    # fits nowhere; moving a (1 move: its 500 fits n1's 600) frees n0 card 0.
+    # fits nowhere; moving a (1 move: its 500 fits beside c in n1's 600) frees n0 card 0.
     nodes = [NodeSpec("n0", 64000, 262144, "T4", 2), NodeSpec("n1", 64000, 262144, "T4", 1)]
     world = build_world(CATALOG, nodes, PROFILE, seed=0, stop_s=2.0)
     cluster, scheduler, loop = world.cluster, world.scheduler, world.loop
@@ -203,10 +203,13 @@ def test_freed_cards_go_to_the_pending_pod_not_a_later_arrival() -> None:
     plan = controller.tick()
     assert [m.pod for f in plan.freed for m in f.moves] == ["a"]
     assert cluster.get_pod("a").phase is PodPhase.TERMINATING  # type: ignore[union-attr]
-    # A later whole-card pod arrives while a terminates: it must not take n0 card 0.
+    # A later whole-card pod arrives while a terminates: it must not take n0 card 0. A later fraction of 600
+    # would fit n1's 600 free, but that is a's planned room, held for it: it must wait.
     later = PodRequest("later", cpu_milli=1000, memory_mib=1024, gpu=WholeCards(1))
     assert cluster.create_pod(later).ok
+    assert cluster.create_pod(_fraction("later-frac", 600)).ok
     scheduler.run_pending()
+    assert cluster.get_pod("later-frac").phase is PodPhase.PENDING  # type: ignore[union-attr]
     loop.run(until=60.0)  # a's 30 s grace, then 2 s to stop; then it is created again
     scheduler.run_pending()
     big = cluster.get_pod("big")
@@ -215,8 +218,9 @@ def test_freed_cards_go_to_the_pending_pod_not_a_later_arrival() -> None:
     assert cluster.get_pod("later").phase is PodPhase.PENDING  # type: ignore[union-attr]
     moved = cluster.get_pod("a")
     assert moved is not None and moved.phase is PodPhase.RUNNING and moved.assignment is not None
-    # The scheduler places the new a where its policy says (binpack: beside b, or n1), never on big's card.
-    assert (moved.assignment.node, moved.assignment.card_indexes) != ("n0", (0,))
+    # The new a is bound to its planned room beside c, and the placeholder that held it is gone.
+    assert moved.assignment.node == "n1"
+    assert "a~room" not in scheduler.state.bindings
     assert controller.stats.moves == 1 and controller.budget_left() == 3
 
 

@@ -17,9 +17,11 @@ cards one of them needs, each mover with a destination elsewhere. It never moves
 A plan is carried out through the scheduler's own nomination (`Scheduler.nominate`, the mechanism preemption
 uses while victims terminate): the freed cards are reserved for the pending pod in the cache at once, its
 node is held for pods of its priority or lower, the movers are evicted through the port with their class's
-grace, and the pod is bound when the last mover is gone, so no later arrival takes the freed cards. A moved
-pod is created again by its owner; with `recreate` (a world with no owner controllers, the simulator) the
-controller creates it again itself, under the same name, once the old pod is deleted.
+grace, and the pod is bound when the last mover is gone, so no later arrival takes the freed cards. Each
+mover's planned room is on cards already in use (a move never spends a free card) and is held in the cache
+while the mover terminates (an assumed placeholder, `<pod>~room`). A moved pod is created again by its owner;
+with `recreate` (a world with no owner controllers, the simulator) the controller creates it again itself,
+under the same name, once the old pod is deleted, and binds it to its planned room if that is still free.
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gpuplane.model import MILLI_PER_CARD, Assignment, Binding, ClusterState, Fraction, PodRequest, WholeCards
-from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase
+from gpuplane.model import (
+    MILLI_PER_CARD,
+    Assignment,
+    Binding,
+    ClusterState,
+    Fraction,
+    PlacementError,
+    PodRequest,
+    WholeCards,
+)
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 from gpuplane.scheduler.framework import CycleState, Framework
 from gpuplane.scheduler.scheduler import Scheduler
 
@@ -321,6 +332,24 @@ def _room_elsewhere(state: ClusterState, roomiest: np.ndarray, node: int, reques
     return bool(ok.any())
 
 
+def _destination(state: ClusterState, request: PodRequest, within: np.ndarray, framework: Framework,
+                 tries: int = 4) -> Assignment | None:
+    """Where a mover goes: the framework's choice among the allowed nodes, on cards already in use. A move
+    that took a free card would spend the very thing it frees (a node the framework answers with a free
+    card is left out and it chooses again)."""
+    allowed = within.copy()
+    for _ in range(tries):
+        decision = framework.schedule(request, state, within=allowed)
+        assignment = decision.assignment
+        if assignment is None:
+            return None
+        node = state.node_index[assignment.node]
+        if all(state.card_holders[node][share.card] > 0 for share in assignment.cards):
+            return assignment
+        allowed[node] = False
+    return None
+
+
 def _what_if(state: ClusterState, pod: PodRequest, node: int, movers: Sequence[Binding],
              framework: Framework) -> tuple[Assignment, list[Binding]] | None:
     """Release `movers`, find each a place off `node`, then place `pod` on `node`. On success the state keeps
@@ -332,10 +361,10 @@ def _what_if(state: ClusterState, pod: PodRequest, node: int, movers: Sequence[B
     ok = False
     try:
         for binding in movers:
-            decision = framework.schedule(binding.request, state, within=elsewhere)
-            if decision.assignment is None:
+            assignment = _destination(state, binding.request, elsewhere, framework)
+            if assignment is None:
                 return None
-            placed.append(state.place(binding.request, decision.assignment))
+            placed.append(state.place(binding.request, assignment))
         decision = framework.schedule(pod, state, within=_only(state.size, node))
         if decision.assignment is None:
             return None
@@ -376,16 +405,20 @@ class DefragController:
         """The planner's own framework: its tie-break draws never disturb the scheduler's."""
         self.stats = DefragStats()
         self._recent: deque[float] = deque()
-        self._moving: dict[str, PodRequest] = {}
-        """Moved pods not deleted yet, to create again when they are (with `recreate`)."""
+        self._moving: dict[str, tuple[PodRequest, Assignment]] = {}
+        """Moved pods not deleted yet, with their planned room (held until they are; with `recreate`, they are
+        then created again)."""
+        self._rooms: set[str] = set()
+        """Moved pods whose planned room is held for them in the scheduler's cache."""
+        self._placing: dict[str, Assignment] = {}
+        """Moved pods created again, to be bound to their planned room if it is still free."""
         self.moved: set[str] = set()
         """Every pod the controller has moved (names)."""
         self.on_moved: Callable[[str], object] | None = None
-        self._unsubscribe = port.watch(self._on_event) if recreate else None
+        self._unsubscribe = port.watch(self._on_event)
 
     def close(self) -> None:
-        if self._unsubscribe is not None:
-            self._unsubscribe()
+        self._unsubscribe()
 
     def budget_left(self) -> int:
         now = self.now()
@@ -428,29 +461,59 @@ class DefragController:
         plan = self.plan()
         now = self.now()
         for freed in plan.freed:
-            requests = {m.pod: self.scheduler.state.bindings[m.pod].request for m in freed.moves}
+            requests = {m.pod: (self.scheduler.state.bindings[m.pod].request, m.destination) for m in freed.moves}
             decision = self.scheduler.nominate(freed.pod, freed.assignment, [m.pod for m in freed.moves],
                                                reason=f"{MOVE_REASON}: {freed.why}")
             if not decision.status.ok and decision.assignment is None:
                 self.stats.refused += 1
                 continue
             self.stats.plans += 1
-            for name, request in requests.items():
+            for name, (request, destination) in requests.items():
+                self._hold_room(name, request, destination)
                 self.stats.moves += 1
                 self.stats.move_times.append(now)
                 self._recent.append(now)
                 self.moved.add(name)
-                if self.recreate:
-                    self._moving[name] = request
+                self._moving[name] = (request, destination)
                 if self.on_moved is not None:
                     self.on_moved(name)
         return plan
 
+    def _hold_room(self, name: str, request: PodRequest, destination: Assignment) -> None:
+        """Hold the planned room of a moved pod in the scheduler's cache while it terminates (an assumed
+        placeholder, `<pod>~room`), so that its new pod finds it free."""
+        try:
+            self.scheduler.assume(replace(request, name=_room(name)), destination)
+        except PlacementError:
+            return
+        self._rooms.add(name)
+
+    def _free_room(self, name: str) -> None:
+        if name in self._rooms:
+            self._rooms.discard(name)
+            self.scheduler.settle(_room(name), Status.error("the moved pod is back"))
+
     def _on_event(self, event: ClusterEvent) -> None:
-        if event.kind is EventKind.POD_DELETED and event.pod is not None:
-            request = self._moving.pop(event.pod.name, None)
-            if request is not None:
-                self.port.create_pod(request)
+        if event.pod is None:
+            return
+        name = event.pod.name
+        if event.kind is EventKind.POD_DELETED and name in self._moving:
+            request, destination = self._moving.pop(name)
+            self._free_room(name)
+            if self.recreate:
+                self._placing[name] = destination
+                if not self.port.create_pod(request).ok:
+                    self._placing.pop(name, None)
+        elif event.kind is EventKind.POD_ADDED and name in self._placing:
+            # The scheduler (subscribed first) has queued it: bind it to the room the plan found, on cards
+            # already in use, if that room is still free; else the scheduler places it as any pod.
+            destination = self._placing.pop(name)
+            if self.scheduler.state.check(destination, event.pod.request) is None:
+                self.scheduler.nominate(name, destination, [], reason=MOVE_REASON)
+
+
+def _room(pod: str) -> str:
+    return f"{pod}~room"
 
 
 def _held_mask(scheduler: Scheduler, pending: Sequence[PodRequest]) -> np.ndarray | None:
