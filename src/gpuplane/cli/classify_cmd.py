@@ -114,7 +114,7 @@ def mine(lines: Iterable[str]) -> list[MinedTemplate]:
 
 
 def _stub_id(template: str, taken: set[str]) -> str:
-    words = [w.lower() for w in re.findall(r"[A-Za-z][A-Za-z0-9]{2,}", template.replace(_WILDCARD, " "))][:5]
+    words = [w.lower() for w in re.findall(r"(?<![\w])[A-Za-z]{3,}(?![\w])", template.replace(_WILDCARD, " "))][:5]
     base = "-".join(words)[:48].strip("-") or "new-problem"
     ident, n = f"review-{base}", 2
     while ident in taken:
