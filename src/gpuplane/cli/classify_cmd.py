@@ -124,12 +124,17 @@ def _stub_id(template: str, taken: set[str]) -> str:
 
 
 def stub_pattern(template: str) -> str:
-    """A pattern from a template's fixed parts: each escaped (blanks as `\\s+`), the variable parts bounded
-    (`.{0,64}?`), at most the first four fixed parts of four characters or more."""
+    """A pattern from a template's fixed parts: each escaped (blanks as `\\s+`, digit runs as `\\d+`), the
+    variable parts bounded (`.{0,64}?`), at most the first four fixed parts of four characters or more."""
     parts = [p.strip() for p in template.split(_WILDCARD)]
     fixed = [p for p in parts if len(p) >= 4][:4]
-    # drain3 splits on blanks and joins with one space: any run of blanks in the line is one in the template
-    return r".{0,64}?".join(r"\s+".join(re.escape(word) for word in p.split()) for p in fixed)
+    # drain3 splits on blanks and joins with one space: any run of blanks in the line is one in the template;
+    # numbers drain3 kept (a template of one line keeps them all) become \d+
+    return r".{0,64}?".join(r"\s+".join(_token(word) for word in p.split()) for p in fixed)
+
+
+def _token(word: str) -> str:
+    return r"\d+".join(re.escape(piece) for piece in re.split(r"[0-9]+", word))
 
 
 def _class_of(template: str) -> str:
