@@ -327,7 +327,7 @@ class _PlatformWeek:
     )
     quick: Mapping[str, object] = MappingProxyType({
         "a100_nodes": 6, "h100_nodes": 6, "a10_nodes": 4, "t4_nodes": 4, "l40s_nodes": 8, "a30_nodes": 4,
-        "days": 1.0, "warmup_hours": 2.0, "services_per_pool": 2, "dev_boxes": 12, "training_backlog": 3,
+        "days": 0.5, "warmup_hours": 1.0, "services_per_pool": 2, "dev_boxes": 12, "training_backlog": 3,
         "batch_backlog": 4, "nearline_backlog": 4, "ablation": False})
 
     def run(self, settings: PlatformSettings, progress: Progress) -> PlatformFigures:

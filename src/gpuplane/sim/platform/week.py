@@ -443,13 +443,12 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             pending_online = any(p.phase is PodPhase.PENDING for p in cluster.list_pods()
                                  if p.request.workload is not None) if int(now // dt) % 5 == 0 else False
             run.shortage_minutes += 5 * dt / 60.0 if pending_online else 0.0
-            book(now)
         if now + dt < horizon:
             loop.call_later(dt, step)
 
     def book(now: float) -> None:
-        """GPU-hours by kind over the step from `now`."""
-        h = dt / 3600.0
+        """GPU-hours by kind over the sample interval from `now`."""
+        h = s.sample_s / 3600.0
         for b in cluster.state.bindings.values():
             gpus = b.assignment.gpu_milli / MILLI_PER_CARD
             node = b.assignment.node
@@ -462,19 +461,22 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                     run.training_held_gpu_h += gpus * h
                     run.team_cost[task.team] += gpus * h * price[node]
 
-    def busy_milli(name: str, milli: int) -> float:
+    def busy_milli(name: str, milli: int, ready: dict[str, int]) -> float:
+        """SM busy milli of a pod's cards: a serving replica its service's load share of what it needs; a
+        running job its busy share; a dev box `dev_busy` of a card; nothing for a hung or stopped job."""
         info = cluster.get_pod(name)
         if info is None:
             return 0.0
         workload = info.request.workload
         now = loop.now()
         if workload is not None:
+            if name not in serving or serving[name][1] > now:
+                return 0.0
             svc = by_workload[workload]
-            up = max(1, sum(1 for v, since in serving.values() if v is svc and since <= now))
-            share = min(1.0, svc.load(now) / (up * s.per_replica_capacity))
-            return share * min(svc.need_milli, milli) if name in serving and serving[name][1] <= now else 0.0
+            share = min(1.0, svc.load(now) / (max(1, ready[svc.name]) * s.per_replica_capacity))
+            return share * min(svc.need_milli, milli)
         task = task_of.get(name)
-        if task is None or (task.job is None and task.kind != DEV):
+        if task is None:
             return 0.0
         if task.kind == DEV:
             return s.dev_busy * MILLI_PER_CARD
@@ -496,10 +498,14 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             node_alloc: dict[str, int] = defaultdict(int)
             dev_pods = 0
             dev_cards: set[tuple[str, int]] = set()
+            ready: dict[str, int] = defaultdict(int)
+            for svc_, since in serving.values():
+                ready[svc_.name] += since <= now
+            book(now)
             for b in cluster.state.bindings.values():
                 node = b.assignment.node
                 node_alloc[node] += b.assignment.gpu_milli
-                node_busy[node] += busy_milli(b.request.name, b.assignment.gpu_milli)
+                node_busy[node] += busy_milli(b.request.name, b.assignment.gpu_milli, ready)
                 if pool_of[node] == DEV_POOL:
                     dev_pods += 1
                     dev_cards.update((node, c) for c in b.assignment.card_indexes)
