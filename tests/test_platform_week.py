@@ -136,3 +136,20 @@ def test_no_card_is_over_allocated_at_any_sample(seed: int, vgpu: bool, binpack:
     assert seen
     assert all(not s["over_compute"] for s in seen)
     assert all(not s["over_memory"] for s in seen)
+
+
+def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
+    """The quick settings run no ablation arms: their figures are NaN (absent), never a made-up 0, and the
+    sweep's JSON and tables still come out."""
+    import json
+    import math
+
+    from gpuplane.sim.scenario.sweep import run_seeds
+
+    sweep = run_seeds(SCENARIO, PlatformSettings(**{**TINY, "days": 0.25, "warmup_hours": 0.5}), (1,))
+    run = sweep.runs[0]
+    assert math.isnan(run.no_tidal_fleet_util_pct)
+    assert not math.isnan(run.platform_fleet_util_pct)
+    json.dumps(sweep.to_json())
+    assert [t.title for t in SCENARIO.tables(run)][1:] == ["beside the reports' figures",
+                                                         "ablation: the platform with one capability off"]
