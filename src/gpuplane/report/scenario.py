@@ -24,6 +24,7 @@ REPORT_MODULES: dict[str, str] = {
     "tidal": "gpuplane.report.tidal",
     "autoscale": "gpuplane.report.autoscale",
     "training-backfill": "gpuplane.report.backfill",
+    "defrag": "gpuplane.report.defrag",
 }
 """Where each scenario's own plots come from: the module's `sections(sweep)` returns HTML fragments."""
 

@@ -14,6 +14,7 @@ _MODULES: dict[str, str] = {
     "tidal": "gpuplane.sim.tidal",
     "autoscale": "gpuplane.sim.autoscale",
     "training-backfill": "gpuplane.sim.backfill",
+    "defrag": "gpuplane.sim.defrag",
 }
 
 
