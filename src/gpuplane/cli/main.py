@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpuplane.cli import snapshot_cmd
+from gpuplane.cli import classify_cmd, snapshot_cmd
 from gpuplane.cli.common import fail as _fail
 from gpuplane.cli.common import policy_config
 from gpuplane.controllers.colocation import GUARD_REACTION
@@ -688,9 +688,14 @@ def classify(
         "--signatures", help="signature file extending or overriding the bundled library (repeatable)")] = None,
     top: Annotated[int, typer.Option(min=1, help="unmatched templates and matches to print")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    review: Annotated[bool, typer.Option("--review", help="mine the unmatched lines into templates (drain3) "
+                                                          "and propose signature stubs (YAML)")] = False,
 ) -> None:
     """Classify a failed job's logs: the first error's signature, action and blamed nodes, and the most
     frequent unmatched lines (new problems to write signatures for)."""
+    if review:
+        classify_cmd.classify_review(files, signatures or [], top=top, as_json=as_json)
+        return
     import gzip
     from dataclasses import asdict
 
@@ -996,6 +1001,7 @@ def _register_kube_commands() -> None:
     from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd, scheduler_cmd
 
     snapshot_cmd.register(app)
+    classify_cmd.register(app)
 
     device_plugin_cmd.register(app)
     extender_cmd.register(app)
