@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gpuplane.cli import classify_cmd, snapshot_cmd
+from gpuplane.cli import bound_cmd, classify_cmd, snapshot_cmd
 from gpuplane.cli.common import fail as _fail
 from gpuplane.cli.common import policy_config
 from gpuplane.controllers.colocation import GUARD_REACTION
@@ -437,6 +437,17 @@ def experiment_frag(
             table.add_row(trace, policy, *(f"{summary.at(trace, policy, x):.2f}" for x in TABLE_POINTS))
     out.print(table)
     out.print(f"runs: {out_dir / 'runs.csv'}, table: {out_dir / 'medians.md'}, plots: {out_dir}/unallocated-*.png")
+
+
+@experiment_app.command("bound")
+def experiment_bound(traces: bound_cmd.TracesOpt = bound_cmd.TRACES, seeds: bound_cmd.SeedsOpt = "42-51",
+                     policies: bound_cmd.PoliciesOpt = "all", nodes: NodesOpt = None,
+                     workers: bound_cmd.WorkersOpt = 2, as_json: bound_cmd.JsonOpt = False) -> None:
+    """The limit: lower bounds on unallocated GPU % at 100 % arrived against every node policy's fill replay."""
+    try:
+        bound_cmd.bound_command(traces, seeds, policies, nodes, workers, as_json)
+    except GpuplaneError as exc:
+        _fail(str(exc))
 
 
 @experiment_app.command("parity")
