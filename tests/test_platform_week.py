@@ -153,3 +153,10 @@ def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
     json.dumps(sweep.to_json())
     assert [t.title for t in SCENARIO.tables(run)][1:] == ["beside the reports' figures",
                                                          "ablation: the platform with one capability off"]
+    from gpuplane.report.platform import sections
+
+    page = sections(sweep)
+    # utilisation and allocation per pool, the tide, waits and costs, the tables (no ablation bars without it)
+    assert len(page) == 5
+    assert sum("<img" in part for part in page) == 3
+    assert "Waits by class" in page[3] and "beside the reports" in page[4]
