@@ -21,7 +21,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+MIN_SAVE_INTERVAL_S = 1.0
+"""A periodic save interval is 0 (never) or at least this: shorter is not a checkpoint but a stall."""
 
 
 class SaveModel(BaseModel):
@@ -30,6 +34,13 @@ class SaveModel(BaseModel):
     every_s: float = Field(default=1800.0, ge=0.0, description="work between periodic saves; 0: never saves")
     save_s: float = Field(default=60.0, ge=0.0, description="how long one save takes")
     on_signal: bool = Field(default=True, description="the job starts a save when it is told to stop (SIGTERM)")
+
+    @field_validator("every_s")
+    @classmethod
+    def _an_interval(cls, value: float) -> float:
+        if 0 < value < MIN_SAVE_INTERVAL_S:
+            raise ValueError(f"saves every {value} s: 0 (never) or at least {MIN_SAVE_INTERVAL_S:g} s")
+        return value
 
 
 @dataclass(frozen=True, slots=True)
