@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
 MIN_SAVE_INTERVAL_S = 1.0
 """A periodic save interval is 0 (never) or at least this: shorter is not a checkpoint but a stall."""
 
