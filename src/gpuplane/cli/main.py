@@ -287,9 +287,7 @@ def simulate(
                                        as_json, seeds)
         return
     if scenario is not None:
-        _simulate_scenario(scenario, scenario_file, set_ or [], days, trace, nodes, node_policy, seed, out_dir,
-                           as_json)
-        return
+        _fail(f"--scenario moved: run `gpuplane scenario {scenario}` (with --set, --scenario-file and --seeds)")
     node_policy = node_policy or "binpack"
     seed = 42 if seed is None else seed
     try:
@@ -323,12 +321,6 @@ def simulate(
     for pod in why or []:
         _print_why(results[0], pod, show_all=False)
     out.print(f"report: {report}")
-
-
-def _simulate_scenario(name: str, path: Path | None, assignments: list[str], days: float | None, trace: str,
-                       nodes: Path | None, node_policy: str | None, seed: int | None, out_dir: Path,
-                       as_json: bool) -> None:
-    _fail(f"--scenario moved: run `gpuplane scenario {name}` (with --set, --scenario-file and --seeds)")
 
 
 @app.command("scenario")
