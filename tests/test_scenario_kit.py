@@ -10,8 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuplane.model import Assignment, CardShare, NodeSpec, PodRequest, WholeCards, default_catalog
+from gpuplane.model import (
+    Assignment,
+    CardShare,
+    NodeSpec,
+    PodRequest,
+    QueueQuota,
+    Quotas,
+    WholeCards,
+    default_catalog,
+    default_priority_classes,
+)
 from gpuplane.port import EventKind, PodPhase
+from gpuplane.scheduler import PolicyConfig, SchedulingRules, default_registry
 from gpuplane.sim import EventLoop, SimCluster
 from gpuplane.sim.scenario import (
     CheckpointingJob,
@@ -20,6 +31,8 @@ from gpuplane.sim.scenario import (
     SeedsError,
     Spread,
     WorkLedger,
+    World,
+    build_world,
     parse_seeds,
     sample_load,
 )
@@ -206,3 +219,42 @@ def test_without_a_stop_time_grace_zero_deletes_at_once() -> None:
     cluster = _cluster(stop_s=0.0)
     assert cluster.evict("p", grace_s=0.0).ok
     assert cluster.get_pod("p") is None
+
+
+# ---------------------------------------------------------------------------- build_world's quotas
+_TEAM = Quotas([QueueQuota("team", min_gpus=1.0, max_gpus=2.0)])
+
+
+def _world(quotas: Quotas | None, rules: SchedulingRules | None) -> World:
+    profile = default_registry().build(PolicyConfig(seed=0))
+    return build_world(default_catalog(), [NodeSpec("n0", 8000, 8192, "T4", 4)], profile, seed=0,
+                       classes=default_priority_classes(), quotas=quotas, rules=rules)
+
+
+# (quotas, rules' quotas): the one source both the admission and the scheduler's rules end with
+@pytest.mark.parametrize(("quotas", "rules_quotas", "expected"), [
+    (_TEAM, None, _TEAM),        # quotas alone: the default rules get them too
+    (_TEAM, Quotas(), _TEAM),    # rules without quotas get them
+    (_TEAM, _TEAM, _TEAM),       # the same quotas twice agree
+    (None, _TEAM, _TEAM),        # rules alone: the admission takes the rules' quotas
+    (None, None, Quotas()),      # neither: no queue is known
+])
+def test_build_world_gives_the_quotas_to_admission_and_scheduler(quotas: Quotas | None,
+                                                                 rules_quotas: Quotas | None,
+                                                                 expected: Quotas) -> None:
+    rules = None if rules_quotas is None else SchedulingRules(quotas=rules_quotas)
+    world = _world(quotas, rules)
+    assert world.admission is not None
+    assert world.admission.quotas == expected
+    assert world.scheduler.rules.quotas == expected
+    # team's maximum is 2 GPUs: 2 cards are admitted, 3 refused; an unknown queue is refused
+    fits = world.cluster.create_pod(PodRequest(name="a", gpu=WholeCards(2), queue="team"))
+    over = world.cluster.create_pod(PodRequest(name="b", gpu=WholeCards(3), queue="team"))
+    assert fits.ok is bool(expected) and not over.ok
+    assert not world.cluster.create_pod(PodRequest(name="c", gpu=WholeCards(1), queue="other")).ok
+
+
+def test_build_world_refuses_two_different_quotas() -> None:
+    other = Quotas([QueueQuota("team", min_gpus=1.0, max_gpus=3.0)])
+    with pytest.raises(ValueError, match="give the quotas once"):
+        _world(_TEAM, SchedulingRules(quotas=other))
