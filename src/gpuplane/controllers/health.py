@@ -23,16 +23,18 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpuplane.model import Taint
+from gpuplane.port import ClusterPort
 from gpuplane.port.status import Code, Status
 
 DAY_S = 86_400.0
 
 __all__ = [
-    "CRITICAL_XIDS", "DAY_S", "HEALTH_TRANSITIONS", "HealthEvent", "HealthPolicy", "HealthRecord", "HealthResult",
-    "NodeHealth", "NodeHealthBook", "Straggler", "stragglers",
+    "CRITICAL_XIDS", "DAY_S", "HEALTH_LABEL", "HEALTH_TRANSITIONS", "QUARANTINE_TAINT", "HealthEvent", "HealthPolicy",
+    "HealthRecord", "HealthResult", "NodeHealth", "NodeHealthBook", "NodeHealthController", "Straggler", "stragglers",
 ]
 
 
@@ -397,3 +399,72 @@ def stragglers(step_times: Mapping[str, Sequence[float]], threshold: float = 1.1
         return []
     slow = [Straggler(node, median / fleet) for node, median in medians.items() if median > threshold * fleet]
     return sorted(slow, key=lambda s: (-s.slowdown, s.node))
+
+
+# -- the node-health controller: the book's states on the nodes ----------------------------------------------
+
+QUARANTINE_TAINT = Taint("gpuplane.io/health", "quarantined", "NoSchedule")
+"""On a node out of service (suspect under a hang, quarantined, repairing, lemon): no pod tolerates it, so the
+scheduler places nothing there until the book lets it back."""
+HEALTH_LABEL = "gpuplane.io/health"
+"""The node's health as the cluster sees it: `suspect`, `quarantined`, `probation` or `lemon` (absent: healthy)."""
+
+_OUT_OF_SERVICE = frozenset({NodeHealth.SUSPECT, NodeHealth.QUARANTINED, NodeHealth.REPAIRING})
+
+
+class NodeHealthController:
+    """Applies health events to the book and the result to the nodes, through the cluster port: a node the
+    book quarantines gets `QUARANTINE_TAINT` and `HEALTH_LABEL=quarantined` (the cordon gpuplane's scheduler
+    and kube-scheduler both honour); one that comes back loses both. The same object runs in the simulator and
+    in the operator (fed there by the node agent's Events), so both take the same decisions on the same events.
+
+    `isolations` lists (time, node, reason) of every node this controller quarantined, in order."""
+
+    def __init__(self, port: ClusterPort, book: NodeHealthBook, now: Callable[[], float]) -> None:
+        self.port = port
+        self.book = book
+        self.now = now
+        self.isolations: list[tuple[float, str, str]] = []
+
+    def apply(self, node: str, event: HealthEvent, reason: str = "") -> HealthResult:
+        """One event for `node` (a check tier's verdict, an attributed failure): the book moves, and a node
+        that changes state is relabelled: suspect, quarantined and repairing nodes are tainted (they take no
+        job), probation keeps the taint (the repair cycle lifts it), healthy loses it."""
+        before = self.book.state(node)
+        result = self.book.apply(node, event, self.now(), reason)
+        if not result.ok or result.state is before:
+            return result
+        if result.state in _OUT_OF_SERVICE:
+            self.quarantine(node, reason, label=result.state.value)
+        elif result.state is NodeHealth.PROBATION:
+            self.label(node, NodeHealth.PROBATION.value)
+        else:
+            self.release(node)
+        return result
+
+    def isolate(self, node: str, reason: str) -> HealthResult:
+        """Out of service at once (an isolate-node verdict, a critical check, a person's decision)."""
+        result = self.book.apply(node, HealthEvent.CRITICAL_FAILURE, self.now(), reason)
+        self.quarantine(node, reason)
+        return result
+
+    def quarantine(self, node: str, reason: str = "", label: str = "quarantined") -> Status:
+        """Taint and label `node` (idempotent); recorded in `isolations` when `label` is `quarantined`."""
+        info = next((n for n in self.port.list_nodes() if n.name == node), None)
+        if info is None:
+            return Status.error(f"node {node} not found")
+        if label == "quarantined":
+            self.isolations.append((self.now(), node, reason))
+        taints = (*(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key), QUARANTINE_TAINT)
+        return self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: label})
+
+    def release(self, node: str, label: str | None = None) -> Status:
+        """Take the taint off `node`; `label` what `HEALTH_LABEL` says afterwards (None: removed)."""
+        info = next((n for n in self.port.list_nodes() if n.name == node), None)
+        if info is None:
+            return Status.error(f"node {node} not found")
+        taints = tuple(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key)
+        return self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: label})
+
+    def label(self, node: str, label: str | None) -> Status:
+        return self.port.patch_node(node, labels={HEALTH_LABEL: label})

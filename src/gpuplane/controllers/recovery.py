@@ -22,10 +22,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from gpuplane.controllers.classifier import Classification, FailureClassifier
-from gpuplane.controllers.health import HealthEvent, HealthResult, NodeHealth, NodeHealthBook
-from gpuplane.model import PodRequest, Taint
+from gpuplane.controllers.health import HEALTH_LABEL as HEALTH_LABEL
+from gpuplane.controllers.health import QUARANTINE_TAINT as QUARANTINE_TAINT
+from gpuplane.controllers.health import (
+    HealthEvent,
+    HealthResult,
+    NodeHealth,
+    NodeHealthBook,
+    NodeHealthController,
+)
+from gpuplane.model import PodRequest
 from gpuplane.model.failures import FailureAction, FailureClass
-from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodPhase, Status
+from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Status
 
 DAY_S = 86_400.0
 
@@ -124,11 +132,6 @@ class EttrAccount:
 
 
 # ---------------------------------------------------------------------------------------------- the controller
-QUARANTINE_TAINT = Taint("gpuplane.io/health", "quarantined", "NoSchedule")
-"""On an isolated node: no pod tolerates it, so the scheduler places nothing there until repair."""
-HEALTH_LABEL = "gpuplane.io/health"
-
-
 @dataclass(frozen=True, slots=True)
 class Evidence:
     """One piece of what a failure left behind: a log line, an Xid, or an exit code / signal, on a node."""
@@ -211,6 +214,53 @@ class GangJob:
         return [f"{self.name}.{self.attempt}.{i}" for i in range(self.nodes)]
 
 
+RestartHook = Callable[["AdoptedGang", "RecoveryOutcome"], Status]
+"""The owner's restart of an adopted gang (the simulator's resubmission); its pods are already stopped."""
+
+
+@dataclass(slots=True)
+class AdoptedGang:
+    """A gang someone else submitted and re-creates: its members are the live pods whose `PodRequest.gang` is
+    `gang`, or whose labels hold `label` (an owner that renames its gang per attempt labels its pods, as the
+    Job controller's `batch.kubernetes.io/job-name` or JobSet's `jobset.sigs.k8s.io/jobset-name` do).
+
+    On a restart the controller stops the members, then calls `restart` when there is one (the simulator's
+    owner resubmits); without one, stopping is the restart: in Kubernetes the Job/JobSet controller re-creates
+    the deleted pods. `nodes` is the gang's size (0: the members' `gang_size`)."""
+
+    name: str
+    planner: CheckpointPlanner
+    gang: str | None = None
+    label: tuple[str, str] | None = None
+    restart: RestartHook | None = None
+    nodes: int = 0
+    attempt: int = 0
+    running_since: float | None = None
+    last_checkpoint_at: float | None = None
+    account: EttrAccount = field(default_factory=EttrAccount)
+
+    def __post_init__(self) -> None:
+        if (self.gang is None) == (self.label is None):
+            raise ValueError(f"{self.name}: adopt a gang by its gang name or by a label, exactly one")
+
+    def matches(self, request: PodRequest) -> bool:
+        if self.gang is not None:
+            return request.gang == self.gang
+        assert self.label is not None
+        return self.label in request.labels
+
+    def members(self, pods: Sequence[PodInfo]) -> list[PodInfo]:
+        """The gang's live pods (pending or running), by name."""
+        return sorted((p for p in pods if p.phase in (PodPhase.PENDING, PodPhase.RUNNING) and self.matches(p.request)),
+                      key=lambda p: p.name)
+
+    def size(self, members: Sequence[PodInfo]) -> int:
+        return self.nodes or max((p.request.gang_size for p in members), default=0) or len(members)
+
+
+Gang = GangJob | AdoptedGang
+
+
 @dataclass(frozen=True, slots=True)
 class RecoveryOutcome:
     classification: Classification
@@ -222,6 +272,18 @@ class RecoveryOutcome:
     """nodes held out of the restart until a stop-time check clears them (`check_done`)"""
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveryRecord:
+    """One decision on one gang, in `RecoveryController.history`."""
+
+    t: float
+    job: str
+    cause: str
+    action: FailureAction
+    isolated: tuple[str, ...]
+    restarted: bool
+
+
 class RecoveryController:
     """On a failure: classify the evidence, isolate the blamed nodes (quarantine in the health book, a
     NoSchedule taint and a label through the cluster port), and restart the job's gang from its last
@@ -229,21 +291,31 @@ class RecoveryController:
     since the last checkpoint is charged to the job's ETTR account as lost; each failure and each measured
     checkpoint cost updates the job's `CheckpointPlanner`.
 
+    Gangs are the controller's own (`submit(GangJob)`: it creates the pods and each attempt's) or adopted
+    (`adopt(AdoptedGang)`: someone else created them and re-creates them, see `AdoptedGang`). Evidence comes
+    per job (`on_failure`) or per node (`on_node_evidence`: the node agent's reports; the gangs with a member
+    on a reporting node fail, and a report no gang owns still isolates or blames its node).
+
     A blamed node that the verdict does not isolate (a restart-job signature that blames its node) has the
     failure attributed in the health book; the exclusion policy (`HealthPolicy.max_failures` within
     `window_s`) then quarantines it like an isolation. The repair cycle (`repair_started`, `repair_done`,
     `probation_passed`) moves a quarantined node back; its taint comes off only when the book finds it
-    eligible for `large_job_gpus` (not a lemon), so a lemon stays off large jobs."""
+    eligible for `large_job_gpus` (not a lemon), so a lemon stays off large jobs. The taints and labels go
+    through `health` (a `NodeHealthController` on the same port and book, built when not given)."""
 
     def __init__(self, port: ClusterPort, classifier: FailureClassifier, book: NodeHealthBook,
-                 now: Callable[[], float], *, stop_grace_s: float = 0.0) -> None:
+                 now: Callable[[], float], *, stop_grace_s: float = 0.0,
+                 health: NodeHealthController | None = None) -> None:
         self.port = port
         self.classifier = classifier
         self.book = book
         self.now = now
+        self.health = health if health is not None else NodeHealthController(port, book, now)
         self.stop_grace_s = stop_grace_s
         """grace given to the failed attempt's pods (the kubelet then takes its stop time)"""
         self.jobs: dict[str, GangJob] = {}
+        self.adopted: dict[str, AdoptedGang] = {}
+        self.history: list[RecoveryRecord] = []
         self._member_of: dict[str, GangJob] = {}
         self._bound: dict[str, set[str]] = {}
         """per job, the current attempt's members seen bound"""
@@ -263,19 +335,82 @@ class RecoveryController:
                 return status
         return Status.success()
 
+    def adopt(self, gang: AdoptedGang) -> AdoptedGang:
+        """Watch a gang someone else submitted (its members already running or not yet created)."""
+        if gang.name in self.jobs:
+            raise ValueError(f"{gang.name}: already a submitted job")
+        self.adopted[gang.name] = gang
+        pods = self.port.list_pods()
+        members = gang.members(pods)
+        if gang.running_since is None and self._all_running(gang, members):
+            gang.running_since = self.now()
+        return gang
+
+    def forget(self, name: str) -> None:
+        """Stop watching an adopted gang (its owner deleted it)."""
+        self.adopted.pop(name, None)
+
+    def gang(self, name: str) -> Gang:
+        job = self.jobs.get(name)
+        return job if job is not None else self.adopted[name]
+
     def checkpointed(self, job_name: str, cost_s: float) -> float:
         """The job reports a checkpoint completed now that blocked it `cost_s`; returns the interval to the
         next one (Young/Daly from the measured cost and the job's observed failure rate)."""
-        job = self.jobs[job_name]
+        job = self.gang(job_name)
         job.last_checkpoint_at = self.now()
         job.planner.measured_cost(cost_s)
         job.account.checkpoint_s += cost_s
         return job.planner.interval_s(cost_s)
 
+    def on_node_evidence(self, evidence: Sequence[Evidence]) -> dict[str, RecoveryOutcome]:
+        """What node agents reported (one incident's evidence, any nodes): every gang with a live member on a
+        reporting node fails with all of it (`on_failure`); with no gang there, the verdict still isolates the
+        nodes it isolates and attributes the failure to the nodes it blames. Returns the outcome per gang."""
+        nodes = {item.node for item in evidence}
+        if not nodes:
+            return {}
+        pods = self.port.list_pods()
+        on = {p.name for p in pods if p.assignment is not None and p.assignment.node in nodes
+              and p.phase in (PodPhase.PENDING, PodPhase.RUNNING)}
+        hit = [name for name, job in self.jobs.items() if any(m in on for m in job.members())]
+        hit += [name for name, gang in self.adopted.items() if any(p.name in on for p in gang.members(pods))]
+        if not hit:
+            self._blame(classify_incident(self.classifier, evidence, self.now()), "")
+            return {}
+        return {name: self.on_failure(name, evidence) for name in hit}
+
     def on_failure(self, job_name: str, evidence: Sequence[Evidence]) -> RecoveryOutcome:
-        job = self.jobs[job_name]
+        job = self.gang(job_name)
         now = self.now()
         verdict = classify_incident(self.classifier, evidence, now, scope=job.name)
+        cause = verdict.signature.id if verdict.signature is not None else "unknown failure"
+        isolated, suspects = self._blame(verdict, job.name)
+        if job.running_since is not None:
+            job.planner.observed(self._size(job) * (now - job.running_since) / DAY_S, 1)
+        saved_at = job.last_checkpoint_at if job.last_checkpoint_at is not None else job.running_since
+        lost = max(0.0, now - saved_at) if saved_at is not None else 0.0
+        job.account.lost_s += lost
+        job.account.failures += 1
+        job.account.isolated_nodes += len(isolated)
+        retry = verdict.action is not FailureAction.DO_NOT_RETRY
+        self.history.append(RecoveryRecord(now, job.name, cause, verdict.action, isolated, retry))
+        if not retry:
+            self.stop(job)
+            return RecoveryOutcome(verdict, isolated, lost, False,
+                                   Status.error(f"{job.name}: not retried ({cause})"), suspects)
+        if isinstance(job, GangJob):
+            self.stop(job)
+            return RecoveryOutcome(verdict, isolated, lost, True, self.resubmit(job), suspects)
+        outcome = RecoveryOutcome(verdict, isolated, lost, True, self.stop(job), suspects)
+        job.attempt += 1
+        if job.restart is not None:
+            outcome = replace(outcome, status=job.restart(job, outcome))
+        return outcome
+
+    def _blame(self, verdict: Classification, scope: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Isolate, attribute and hold out what `verdict` blames; returns (isolated, suspects)."""
+        now = self.now()
         cause = verdict.signature.id if verdict.signature is not None else "unknown failure"
         isolated = list(nodes_to_isolate(verdict))
         for node in isolated:
@@ -286,28 +421,17 @@ class RecoveryController:
                 continue
             result = self.book.apply(node, HealthEvent.FAILURE_ATTRIBUTED, now, f"blamed: {cause}")
             if result.ok and result.state is NodeHealth.QUARANTINED:  # the exclusion policy's limit
-                self._quarantine(node)
+                self._quarantine(node, reason=f"exclusion limit: {cause}")
                 isolated.append(node)
-        suspects = hang_suspects(verdict)
+        suspects = hang_suspects(verdict) if scope else ()
         for node in suspects:
             # restart without the suspect; a stop-time check decides (`check_done`)
             result = self.book.apply(node, HealthEvent.FAILURE_ATTRIBUTED, now, f"hang suspect: {cause}")
-            self._quarantine(node, "quarantined" if result.state is NodeHealth.QUARANTINED else "suspect")
-            if result.state is NodeHealth.QUARANTINED:
+            quarantined = result.state is NodeHealth.QUARANTINED
+            self._quarantine(node, "quarantined" if quarantined else "suspect", reason=f"hang suspect: {cause}")
+            if quarantined:
                 isolated.append(node)
-        suspects = tuple(n for n in suspects if n not in isolated)
-        if job.running_since is not None:
-            job.planner.observed(job.nodes * (now - job.running_since) / DAY_S, 1)
-        saved_at = job.last_checkpoint_at if job.last_checkpoint_at is not None else job.running_since
-        lost = max(0.0, now - saved_at) if saved_at is not None else 0.0
-        job.account.lost_s += lost
-        job.account.failures += 1
-        job.account.isolated_nodes += len(isolated)
-        self.stop(job)
-        if verdict.action is FailureAction.DO_NOT_RETRY:
-            return RecoveryOutcome(verdict, tuple(isolated), lost, False,
-                                   Status.error(f"{job.name}: not retried ({cause})"), suspects)
-        return RecoveryOutcome(verdict, tuple(isolated), lost, True, self.resubmit(job), suspects)
+        return tuple(isolated), tuple(n for n in suspects if n not in isolated)
 
     def check_done(self, node: str, passed: bool) -> HealthResult:
         """A suspect's stop-time check: passed, it is healthy and untainted; failed, it is quarantined
@@ -323,14 +447,25 @@ class RecoveryController:
             self.port.patch_node(node, labels={HEALTH_LABEL: "quarantined"})
         return result
 
-    def stop(self, job: GangJob) -> None:
-        """End the job's current attempt: its pods go (with `stop_grace_s`, then the kubelet's stop)."""
-        for member in job.members():
-            self.port.evict(member, grace_s=self.stop_grace_s, reason=f"{job.name}: attempt {job.attempt} failed")
-            self._member_of.pop(member, None)
+    def stop(self, job: Gang) -> Status:
+        """End the job's current attempt: its pods go (with `stop_grace_s`, then the kubelet's stop). An
+        adopted gang's pods are deleted at once when the grace is 0 (their owner re-creates them)."""
+        reason = f"{job.name}: attempt {job.attempt} failed"
+        status = Status.success()
+        if isinstance(job, GangJob):
+            for member in job.members():
+                self.port.evict(member, grace_s=self.stop_grace_s, reason=reason)
+                self._member_of.pop(member, None)
+        else:
+            for pod in job.members(self.port.list_pods()):
+                done = (self.port.evict(pod.name, grace_s=self.stop_grace_s, reason=reason) if self.stop_grace_s > 0
+                        else self.port.delete_pod(pod.name))
+                if not done.ok:
+                    status = done
         self._bound.pop(job.name, None)
         job.running_since = None
         job.last_checkpoint_at = None
+        return status
 
     def resubmit(self, job: GangJob) -> Status:
         """Start the job's next attempt (from its last checkpoint)."""
@@ -340,8 +475,7 @@ class RecoveryController:
     def isolate(self, node: str, reason: str) -> None:
         """Take a node out of service at once: quarantined in the book, tainted and labelled in the cluster
         (an isolate-node verdict, a failed pre-flight check, or a person's decision)."""
-        self.book.apply(node, HealthEvent.CRITICAL_FAILURE, self.now(), reason)
-        self._quarantine(node)
+        self.health.isolate(node, reason)
 
     def repair_started(self, node: str) -> HealthResult:
         return self.book.apply(node, HealthEvent.REPAIR_STARTED, self.now(), "sent to repair")
@@ -365,24 +499,27 @@ class RecoveryController:
             self.port.patch_node(node, labels={HEALTH_LABEL: "lemon"})
         return result
 
-    def _quarantine(self, node: str, label: str = "quarantined") -> None:
-        info = next((n for n in self.port.list_nodes() if n.name == node), None)
-        if info is None:
-            return
-        taints = (*(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key), QUARANTINE_TAINT)
-        self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: label})
+    def _quarantine(self, node: str, label: str = "quarantined", reason: str = "") -> None:
+        self.health.quarantine(node, reason, label=label)
 
     def _untaint(self, node: str) -> None:
-        info = next((n for n in self.port.list_nodes() if n.name == node), None)
-        if info is not None:
-            taints = tuple(t for t in info.spec.taints if t.key != QUARANTINE_TAINT.key)
-            self.port.patch_node(node, taints=taints, labels={HEALTH_LABEL: None})
+        self.health.release(node)
+
+    def _size(self, job: Gang) -> int:
+        return job.nodes if isinstance(job, GangJob) else job.size(job.members(self.port.list_pods()))
+
+    def _all_running(self, gang: AdoptedGang, members: Sequence[PodInfo]) -> bool:
+        size = gang.size(members)
+        return size > 0 and len(members) >= size and all(p.phase is PodPhase.RUNNING for p in members)
 
     def _on_event(self, event: ClusterEvent) -> None:
         if event.kind is not EventKind.POD_BOUND or event.pod is None:
             return
         job = self._member_of.get(event.pod.name)
-        if job is None or job.running_since is not None:
+        if job is None:
+            self._on_adopted_bound(event.pod, event.time)
+            return
+        if job.running_since is not None:
             return
         self._bound.setdefault(job.name, set()).add(event.pod.name)
         if len(self._bound[job.name]) < job.nodes:
@@ -392,3 +529,12 @@ class RecoveryController:
             job.running_since = event.time
             if job.last_checkpoint_at is None:
                 job.last_checkpoint_at = event.time
+
+    def _on_adopted_bound(self, pod: PodInfo, t: float) -> None:
+        for gang in self.adopted.values():
+            if gang.running_since is not None or not gang.matches(pod.request):
+                continue
+            if self._all_running(gang, gang.members(self.port.list_pods())):
+                gang.running_since = t
+                if gang.last_checkpoint_at is None:
+                    gang.last_checkpoint_at = t
