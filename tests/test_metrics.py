@@ -32,6 +32,7 @@ from gpuplane.port.metrics import (
     GPUS,
     LEADER,
     NODES,
+    OLDEST_PENDING,
     PENDING_PODS,
     POD_SCHEDULING_DURATION,
     PREEMPTION_VICTIMS,
@@ -150,6 +151,7 @@ def test_pending_bound_and_unschedulable_pods() -> None:
     assert value(metrics, ATTEMPTS, result="unschedulable") == 1
     assert value(metrics, PENDING_PODS, priority_class="batch", queue="none") == 1
     assert value(metrics, PENDING_PODS, priority_class="prod", queue="none") is None
+    assert value(metrics, OLDEST_PENDING, priority_class="batch", queue="none") == 15.0  # created at 10, now 25
     reasons = {dict(k[1])["reason"]: v for k, v in samples(metrics).items() if k[0] == UNSCHEDULABLE_PODS}
     assert sum(reasons.values()) == 1, reasons
     # created at 10 s, bound at 25 s: both in the (5, 15] bucket and none at or below 5 s.

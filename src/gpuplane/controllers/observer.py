@@ -6,9 +6,9 @@
   annotation a world writes on an evicted pod, folded by `eviction_cause`);
 * from node events: tidal loans and reclaims (the tidal controller's loan label and reclaim-at annotation),
   recovery actions (the recovery controller's health label);
-* at scrape time, as a `PlaneSnapshot`: pending pods by priority class and queue, unschedulable pods by
-  reason, cards by allocation state and the fragmentation per pool, nodes by health, quota use per queue,
-  lent nodes and how late their reclaim is.
+* at scrape time, as a `PlaneSnapshot`: pending pods by priority class and queue (and the age of the
+  oldest that asks for GPUs), unschedulable pods by reason, cards by allocation state and the fragmentation
+  per pool, nodes by health, quota use per queue, lent nodes and how late their reclaim is.
 
 Scheduling decisions are not events of the port: the scheduler's driver hands each pass's outcomes to
 `record_outcomes` (or runs the pass through `run_pending`, which also times it). `scheduler_counters` exports
@@ -226,11 +226,15 @@ class ClusterObserver:
             nodes, pods, reasons = list(self._nodes.values()), list(self._pods.values()), dict(self._reasons)
         now = self.now()
         pending: Counter[tuple[str, str]] = Counter()
+        oldest: dict[tuple[str, str], float] = {}
         unschedulable: Counter[str] = Counter()
         for pod in pods:
             if pod.phase is not PodPhase.PENDING:
                 continue
-            pending[(pod.request.priority_class or NO_CLASS, pod.request.queue or NO_QUEUE)] += 1
+            key = (pod.request.priority_class or NO_CLASS, pod.request.queue or NO_QUEUE)
+            pending[key] += 1
+            if pod.request.gpu is not None:
+                oldest[key] = max(oldest.get(key, 0.0), now - pod.created_at)
             reason = reasons.get(pod.name)
             if reason is not None:
                 unschedulable[reason] += 1
@@ -261,9 +265,9 @@ class ClusterObserver:
             deadline = _reclaim_at(node)
             if deadline is not None:
                 overdue[(node.name, _loan_window(node))] = now - deadline
-        return PlaneSnapshot(pending=dict(pending), unschedulable=kept, gpus=dict(gpus), fragmentation=fragmentation,
-                             nodes=dict(health), queues=self._queues(pods), lent_nodes=dict(lent),
-                             loan_overdue=overdue)
+        return PlaneSnapshot(pending=dict(pending), oldest_pending=oldest, unschedulable=kept, gpus=dict(gpus),
+                             fragmentation=fragmentation, nodes=dict(health), queues=self._queues(pods),
+                             lent_nodes=dict(lent), loan_overdue=overdue)
 
     def _queues(self, pods: Sequence[PodInfo]) -> dict[str, QueueUse]:
         if self.quotas is None:

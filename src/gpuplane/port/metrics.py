@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 # ------------------------------------------------------------------------------------------------ the names
 PENDING_PODS = "gpuplane_scheduler_pending_pods"
 UNSCHEDULABLE_PODS = "gpuplane_scheduler_unschedulable_pods"
+OLDEST_PENDING = "gpuplane_scheduler_oldest_pending_gpu_pod_age_seconds"
 ATTEMPTS = "gpuplane_scheduler_schedule_attempts_total"
 CYCLE_DURATION = "gpuplane_scheduler_cycle_duration_seconds"
 POD_SCHEDULING_DURATION = "gpuplane_scheduler_pod_scheduling_duration_seconds"
@@ -102,6 +103,8 @@ class PlaneSnapshot:
 
     pending: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """(priority class, queue) -> pending pods."""
+    oldest_pending: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(priority class, queue) -> seconds the oldest pending pod that asks for GPUs has waited since creation."""
     unschedulable: Mapping[str, int] = field(default_factory=dict)
     """reason (`reason_label`) -> pending pods whose last attempt failed for it."""
     gpus: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -178,6 +181,8 @@ def snapshot_families(snap: PlaneSnapshot) -> Iterator[Metric]:
     queues = snap.queues
     yield _gauge(PENDING_PODS, "Pods waiting to be scheduled, by priority class and quota queue.",
                  ("priority_class", "queue"), snap.pending.items())
+    yield _gauge(OLDEST_PENDING, "Age of the oldest pending pod that asks for GPUs, by priority class and queue.",
+                 ("priority_class", "queue"), snap.oldest_pending.items())
     yield _gauge(UNSCHEDULABLE_PODS, "Pending pods whose last scheduling attempt failed, by the reason that "
                  "rejected the most nodes.", ("reason",), _by_one(snap.unschedulable))
     yield _gauge(GPUS, "GPU cards by pool and allocation state (free, partial, full).", ("pool", "state"),
@@ -355,9 +360,9 @@ def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
 __all__ = [
     "ATTEMPTS", "CARD_STATES", "CYCLE_DURATION", "EVICTIONS", "EVICTION_CAUSES", "EXTENDER_DURATION",
     "EXTENDER_REQUESTS", "FRAGMENTATION", "GANGS", "GPUS", "LEADER", "MAX_REASONS", "NODES", "NO_CLASS",
-    "NO_QUEUE", "NULL_RECORDER", "OTHER_REASON", "PENDING_PODS", "POD_SCHEDULING_DURATION", "PREEMPTION_ATTEMPTS",
-    "PREEMPTION_VICTIMS", "QUEUE_ALLOCATED", "QUEUE_MAX", "QUEUE_MIN", "RECOVERY_ACTIONS", "RECOVERY_ACTION_NAMES",
-    "RESULTS", "TIDAL_LENT", "TIDAL_LOANS", "TIDAL_LOAN_OVERDUE", "TIDAL_RECLAIMS", "UNSCHEDULABLE_PODS",
-    "CounterReading", "NullRecorder", "PlaneMetrics", "PlaneSnapshot", "QueueUse", "Recorder", "SnapshotSource",
-    "reason_label", "snapshot_families",
+    "NO_QUEUE", "NULL_RECORDER", "OLDEST_PENDING", "OTHER_REASON", "PENDING_PODS", "POD_SCHEDULING_DURATION",
+    "PREEMPTION_ATTEMPTS", "PREEMPTION_VICTIMS", "QUEUE_ALLOCATED", "QUEUE_MAX", "QUEUE_MIN", "RECOVERY_ACTIONS",
+    "RECOVERY_ACTION_NAMES", "RESULTS", "TIDAL_LENT", "TIDAL_LOANS", "TIDAL_LOAN_OVERDUE", "TIDAL_RECLAIMS",
+    "UNSCHEDULABLE_PODS", "CounterReading", "NullRecorder", "PlaneMetrics", "PlaneSnapshot", "QueueUse", "Recorder",
+    "SnapshotSource", "reason_label", "snapshot_families",
 ]
