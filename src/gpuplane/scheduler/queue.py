@@ -95,6 +95,8 @@ class SchedulingQueue:
         return None
 
     def park(self, entry: QueuedPod) -> None:
+        """Park `entry` (a name is queued once: an active or parked entry of the same name is replaced)."""
+        self.take(entry.request.name)
         group = self._group(entry.request)
         entry.seq = next(self._seq)
         self._parked[entry.request.name] = entry
@@ -244,6 +246,8 @@ class SchedulingQueue:
                 bool(self._group_unbounded_gpu[group]))
 
     def _requeue(self, entry: QueuedPod) -> None:
+        if entry.request.name in self._parked:
+            self.take(entry.request.name)
         entry.seq = next(self._seq)
         if entry.order < 0:
             entry.order = entry.seq

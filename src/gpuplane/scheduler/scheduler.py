@@ -162,6 +162,9 @@ class Scheduler:
         self._committing: Nomination | None = None
         self._terminating: set[str] = set()
         """Pods the world is already terminating: never victims (they are leaving; their capacity is not)."""
+        self._gone: set[str] = set()
+        """Pods deleted or failed during the current attempt (a world's callback may delete pods while the
+        scheduler evicts or binds): the attempt must not queue them again."""
         self._backfill_classes = frozenset(c.name for c in self.rules.classes if c.backfill)
         self._backfill_priority = max((c.value for c in self.rules.classes if c.backfill), default=None)
         self.shadow: ClusterState | None = None
@@ -289,6 +292,7 @@ class Scheduler:
             self.resync()
 
     def _on_added(self, request: PodRequest, now: float) -> None:
+        self._gone.discard(request.name)
         self.queue.add(request, now)
         gang = request.gang
         if gang is not None and gang in self._gangs:
@@ -299,6 +303,7 @@ class Scheduler:
 
     def _on_gone(self, pod: PodInfo) -> None:
         name = pod.name
+        self._gone.add(name)
         self.queue.remove(name)
         self._started.pop(name, None)
         request = pod.request
@@ -457,6 +462,7 @@ class Scheduler:
                         self._wake(node)
                 continue
             hint, entry.hint_node = entry.hint_node, -1
+            self._gone.clear()
             if entry.request.gang is not None:
                 for outcome in self._attempt_gang(entry):
                     outcomes.append(outcome)
@@ -471,7 +477,8 @@ class Scheduler:
             keep = on_outcome(outcome) if on_outcome is not None else True
             if decision.status.code is Code.WAIT:
                 continue  # held for its quota, or nominated and waiting for its victims
-            if not decision.status.ok and keep and entry.request.name not in self.state.bindings:
+            if (not decision.status.ok and keep and entry.request.name not in self.state.bindings
+                    and entry.request.name not in self._gone):
                 self.queue.park(entry)
 
     def _attempt(self, entry: QueuedPod) -> Decision:
@@ -713,7 +720,9 @@ class Scheduler:
         eviction: the trial is undone and the caller parks the pods).
         """
         members = [(entry, decision.assignment) for entry, decision in placed if decision.assignment is not None]
-        victims = victims + self._gang_collateral(victims)
+        collateral = self._gang_collateral(victims)
+        kept = {b.request.name for b in collateral}
+        victims = victims + collateral
         nomination = Nomination(members, set(), self.now() + self.rules.nomination_timeout_s)
         for entry, assignment in members:
             self._assumed[entry.request.name] = assignment
@@ -753,7 +762,8 @@ class Scheduler:
                 if name in self.state.bindings:
                     self._release(name)
             for binding in refused:
-                self._place(binding.request, binding.assignment)
+                if binding.request.name not in kept:
+                    self._place(binding.request, binding.assignment)
             for name in nomination.waiting_for:
                 self._victim_of.pop(name, None)
             message = f"eviction refused for {', '.join(b.request.name for b in refused)}"
@@ -767,14 +777,14 @@ class Scheduler:
 
     def _gang_collateral(self, victims: Sequence[Binding]) -> list[Binding]:
         """The running members of the victims' gangs that are not victims yet: a gang never runs in part, so
-        they go too (released from the cache here; the caller evicts them)."""
+        they go too (the caller evicts them). They stay in the cache until they are gone: the preemptor does not
+        need their cards, and while they terminate those cards are not free in the world."""
         gangs = {b.request.gang for b in victims if b.request.gang is not None}
         if not gangs:
             return []
         chosen = {b.request.name for b in victims}
-        others = [name for name, b in self.state.bindings.items() if b.request.gang in gangs and name not in chosen
-                  and name not in self._nominated and name not in self._terminating]
-        return [self._release(name) for name in others]
+        return [b for name, b in self.state.bindings.items() if b.request.gang in gangs and name not in chosen
+                and name not in self._nominated and name not in self._terminating]
 
     def _cancel_nomination(self, nomination: Nomination, heir: Nomination | None = None) -> None:
         """Undo a nomination: its pods' reservations leave the cache and the pods go back to the queue.
@@ -839,9 +849,10 @@ class Scheduler:
                 if binding is not None and binding.assignment == assignment:
                     self._release(name)
         if failure is not None:
-            for entry, _ in nomination.members:
-                if entry.request.name not in bound:
-                    self.queue.requeue(entry)
+            if not immediate:  # an immediate bind's caller parks (or requeues) the pods that did not bind
+                for entry, _ in nomination.members:
+                    if entry.request.name not in bound:
+                        self.queue.requeue(entry)
             if len(nomination.members) > 1:
                 for name in bound:  # never leave a gang partly running
                     self.port.evict(name, grace_s=0.0, reason="gang could not start whole")
@@ -1074,7 +1085,11 @@ class Scheduler:
                 outcomes.append(Outcome(member.request, member_decision, member.attempts, now - member.enqueued_at))
             return outcomes
         for member in members:
-            self.queue.park(member)
+            # A member bound and then rolled back (the gang could not start whole) is the world's until it is
+            # gone; one deleted meanwhile is gone for good: neither is queued again.
+            name = member.request.name
+            if name not in self.state.bindings and name not in self._gone:
+                self.queue.park(member)
         return [Outcome(e.request, decision, e.attempts, now - e.enqueued_at) for e in members]
 
     def _fail_gang(self, gang: str, members: Sequence[QueuedPod], reason: str) -> list[Outcome]:
