@@ -37,6 +37,7 @@ from gpuplane.model.request import (
     QoS,
     Requirement,
     SelectorOp,
+    Toleration,
     WholeCards,
     parse_int64,
 )
@@ -397,33 +398,51 @@ class ClusterState:
             self._set_foreign(n, spec.foreign_cards)
         self.schedulable[n] = spec.schedulable
         self.node_version[n] += 1
+        if spec.pool != old.pool or spec.taints != old.taints:
+            self._reset_node_masks()
         if spec.taints:
             self.tainted.add(n)
         else:
             self.tainted.discard(n)
 
     def pools_mask(self, pools: frozenset[str]) -> BoolArray:
-        return np.fromiter((spec.pool in pools for spec in self.nodes), np.bool_, self.size)
+        """Nodes of any of `pools` (read-only; cached until a node is added or changes pool)."""
+        mask = self._pool_masks.get(pools)
+        if mask is None:
+            mask = np.fromiter((spec.pool in pools for spec in self.nodes), np.bool_, self.size)
+            mask.flags.writeable = False
+            self._pool_masks[pools] = mask
+        return mask
 
     def taint_mask(self, request: PodRequest) -> BoolArray | None:
         """Nodes whose NoSchedule and NoExecute taints the pod all tolerates (kube-scheduler's TaintToleration
         filter, `FindMatchingUntoleratedTaint`); None when no node is tainted."""
         if not self.tainted:
             return None
-        mask = np.ones(self.size, np.bool_)
-        for i in self.tainted:
-            mask[i] = all(request.tolerates(t.key, t.value, t.effect) for t in self.nodes[i].taints
-                          if t.effect in FILTER_EFFECTS)
+        mask = self._taint_masks.get(request.tolerations)
+        if mask is None:
+            mask = np.ones(self.size, np.bool_)
+            for i in self.tainted:
+                mask[i] = all(request.tolerates(t.key, t.value, t.effect) for t in self.nodes[i].taints
+                              if t.effect in FILTER_EFFECTS)
+            mask.flags.writeable = False
+            self._taint_masks[request.tolerations] = mask
         return mask
 
     def prefer_no_schedule_counts(self, request: PodRequest) -> IntArray | None:
         """Per node, the PreferNoSchedule taints the pod does not tolerate (TaintToleration's score counts them);
         None when no node has one the pod does not tolerate."""
+        key = request.tolerations
+        if key in self._prefer_counts:
+            return self._prefer_counts[key]
         counts = np.zeros(self.size, np.int64)
         for i in self.tainted:
             counts[i] = sum(1 for t in self.nodes[i].taints
                             if t.effect == "PreferNoSchedule" and not request.tolerates(t.key, t.value, t.effect))
-        return counts if counts.any() else None
+        counts.flags.writeable = False
+        result = counts if counts.any() else None
+        self._prefer_counts[key] = result
+        return result
 
     # ---------------------------------------------------------------- node labels (selector, affinity)
     def _reset_label_caches(self) -> None:
@@ -432,6 +451,13 @@ class ClusterState:
         self._label_columns: dict[str, _LabelColumn] = {}
         self._affinity_masks: dict[AffinityKey, BoolArray] = {}
         self._preferred_weights: dict[tuple[PreferredTerm, ...], IntArray] = {}
+        self._reset_node_masks()
+
+    def _reset_node_masks(self) -> None:
+        """Forget the pool and taint masks (new dicts: a copy keeps its own)."""
+        self._pool_masks: dict[frozenset[str], BoolArray] = {}
+        self._taint_masks: dict[tuple[Toleration, ...], BoolArray] = {}
+        self._prefer_counts: dict[tuple[Toleration, ...], IntArray | None] = {}
 
     def _column(self, key: str) -> _LabelColumn:
         column = self._label_columns.get(key)
@@ -757,6 +783,9 @@ class ClusterState:
         clone._label_columns = dict(self._label_columns)
         clone._affinity_masks = dict(self._affinity_masks)
         clone._preferred_weights = dict(self._preferred_weights)
+        clone._pool_masks = dict(self._pool_masks)
+        clone._taint_masks = dict(self._taint_masks)
+        clone._prefer_counts = dict(self._prefer_counts)
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:

@@ -13,6 +13,7 @@ rounded up to whole cards, as the NVIDIA device plugin would.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,11 +48,16 @@ class Service:
         return max(1, math.ceil(float(self.curve.value.max()) * (1.0 + headroom) / capacity - 1e-9))
 
 
+@functools.cache
+def _card_memory_mib(model: str) -> int:
+    return default_catalog().get(model).memory_mib
+
+
 def gpu_form(s: PlatformSettings, model: str, milli: int, memory_share: float | None = None) -> GpuForm:
     """The request a pod makes for `milli` of one `model` card: a fraction with vGPU, else whole cards."""
     if milli >= MILLI_PER_CARD or not s.vgpu:
         return WholeCards(max(1, math.ceil(milli / MILLI_PER_CARD)))
-    memory = default_catalog().get(model).memory_mib
+    memory = _card_memory_mib(model)
     share = milli / MILLI_PER_CARD if memory_share is None else memory_share
     return Fraction(compute_milli=milli, memory_mib=int(memory * share))
 
