@@ -3,7 +3,7 @@
 The tests, the parity experiment and `gpuplane bench kube` run against it (no API server can run here).
 
 Only what gpuplane uses: pods (with binding, eviction and status subresources), nodes, leases, events.k8s.io/v1
-events, deployments, replica sets and stateful sets (with their scale subresource), scheduler-plugins'
+events, core/v1 events, deployments, replica sets and stateful sets (with their scale subresource), scheduler-plugins'
 PodGroups (scheduling.x-k8s.io/v1alpha1), and gpuplane.io/v1alpha1
 custom resources (namespaced or cluster-scoped; their status subresource assumed enabled). One global integer
 resourceVersion counter; every write is recorded as a watch event.
@@ -50,6 +50,7 @@ JsonObject = dict[str, Any]
 BUILTIN: dict[tuple[str, str], tuple[str, str]] = {
     ("", "pods"): ("Pod", "v1"),
     ("", "nodes"): ("Node", "v1"),
+    ("", "events"): ("Event", "v1"),
     ("coordination.k8s.io", "leases"): ("Lease", "coordination.k8s.io/v1"),
     ("apps", "deployments"): ("Deployment", "apps/v1"),
     ("apps", "replicasets"): ("ReplicaSet", "apps/v1"),

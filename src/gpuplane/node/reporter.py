@@ -1,0 +1,151 @@
+"""The node agent's reports: the classifier's verdicts on this node's logs, Xids and exits, and its health
+checks' results, published as core/v1 Events (`gpuplane.kube.node_reports`) for the operator.
+
+`NodeReporter` keeps one streaming `FailureClassifier` for its node (so escalations over repeats count) and
+posts an Event for every piece of evidence a signature recognises with an action other than log-only
+(tolerated lines and unmatched ones stay on the node). A tier of health checks (`health_checks.tier`) is
+posted when it fails, or when it passes after a failure was posted (the operator then clears a suspect);
+passing checks on a healthy node post nothing. A post the API refuses or cannot take is kept and retried
+before the next one (`flush`), oldest first, up to `backlog` Events.
+
+`run_reporter` is the loop the node agent runs in a thread: it drains a queue of findings (log lines from the
+container log follower, Xids from NVML's event set) and runs the check tier every `check_period_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpuplane.controllers.classifier import FailureClassifier, SignatureMatch
+from gpuplane.controllers.health import HealthEvent
+from gpuplane.controllers.recovery import Evidence
+from gpuplane.kube.api import ApiError, KubeApi
+from gpuplane.kube.node_reports import NodeReport, events_path, report_event
+from gpuplane.model.failures import FailureAction
+from gpuplane.node.health_checks import CheckResult, HealthCheck, run_checks, tier
+
+log = logging.getLogger(__name__)
+
+_REASONS = {FailureAction.ISOLATE_NODE: "FaultIsolateNode", FailureAction.RESTART_JOB: "FaultRestartJob",
+            FailureAction.DO_NOT_RETRY: "FaultDoNotRetry"}
+_HEALTH_REASONS = {HealthEvent.CHECK_FAILED: "HealthCheckFailed", HealthEvent.CRITICAL_FAILURE: "HealthCheckCritical",
+                   HealthEvent.CHECK_PASSED: "HealthCheckPassed"}
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing the node saw: a log line, an Xid or an exit (exactly the fields `Evidence` has), maybe a pod's."""
+
+    line: str | None = None
+    xid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    pod: str | None = None
+
+
+class NodeReporter:
+    """Publishes one node's failure verdicts and health results as Events through `api`."""
+
+    def __init__(self, api: KubeApi, node: str, classifier: FailureClassifier, now: Callable[[], float], *,
+                 instance: str | None = None, backlog: int = 1000) -> None:
+        self.api = api
+        self.node = node
+        self.classifier = classifier
+        self.now = now
+        self.instance = instance or f"{node}-agent"
+        self.pending: deque[tuple[NodeReport, int]] = deque(maxlen=backlog)
+        self.posted: list[NodeReport] = []
+        self._seq = 0
+        self._failing = False
+        """whether the last health tier posted was a failure"""
+
+    # -- evidence ----------------------------------------------------------------------------------------
+    def feed(self, finding: Finding) -> NodeReport | None:
+        """Classify one finding; post (and return) a report when a signature acts on it."""
+        t = self.now()
+        match: SignatureMatch | None = None
+        if finding.line is not None:
+            match = self.classifier.feed_line(self.node, finding.line, t)
+        elif finding.xid is not None:
+            match = self.classifier.feed_xid(self.node, finding.xid, t)
+        elif finding.exit_code is not None or finding.signal is not None:
+            match = self.classifier.feed_exit(self.node, finding.exit_code, finding.signal, t)
+        if match is None or match.action is FailureAction.LOG_ONLY:
+            return None
+        evidence = Evidence(self.node, line=finding.line, xid=finding.xid, exit_code=finding.exit_code,
+                            signal=finding.signal, t=t)
+        signature = match.signature
+        verdict = {"signature": signature.id, "action": match.action.value,
+                   "class": signature.failure_class.value, "blamesNode": match.blames_node,
+                   "escalated": match.escalated}
+        message = (f"{signature.id} ({signature.failure_class.value}): {match.action.value}"
+                   f"{', blames the node' if match.blames_node else ''}: {match.evidence}")
+        report = NodeReport("failure", self.node, t, _REASONS[match.action], message, (evidence,), None, verdict,
+                            finding.pod)
+        self.publish(report)
+        return report
+
+    def line(self, text: str, pod: str | None = None) -> NodeReport | None:
+        return self.feed(Finding(line=text, pod=pod))
+
+    def xid(self, xid: int) -> NodeReport | None:
+        return self.feed(Finding(xid=xid))
+
+    # -- health ------------------------------------------------------------------------------------------
+    def checks(self, results: Sequence[CheckResult]) -> NodeReport | None:
+        """Grade a tier of check results; post it when it fails, or passes after a failure."""
+        verdict = tier(self.node, results)
+        if verdict.event is None or (verdict.event is HealthEvent.CHECK_PASSED and not self._failing):
+            return None
+        self._failing = verdict.event is not HealthEvent.CHECK_PASSED
+        report = NodeReport("health", self.node, self.now(), _HEALTH_REASONS.get(verdict.event, "HealthCheck"),
+                            verdict.reason, (), verdict.event,
+                            {"failed": list(verdict.failed)} if verdict.failed else None)
+        self.publish(report)
+        return report
+
+    # -- the API -----------------------------------------------------------------------------------------
+    def publish(self, report: NodeReport) -> bool:
+        """Queue `report` and post everything queued, oldest first; False when something is left queued."""
+        self._seq += 1
+        self.pending.append((report, self._seq))
+        return self.flush()
+
+    def flush(self) -> bool:
+        while self.pending:
+            report, seq = self.pending[0]
+            body = report_event(report, self.instance, seq=seq)
+            try:
+                self.api.create(events_path(body["metadata"]["namespace"]), body)
+            except ApiError as exc:
+                if exc.status == 409:  # posted before, its answer lost: it is there
+                    self.pending.popleft()
+                    continue
+                log.warning("%s: posting %s failed (kept, %d queued): %s", self.node, report.reason,
+                            len(self.pending), exc)
+                return False
+            self.pending.popleft()
+            self.posted.append(report)
+        return True
+
+
+def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: threading.Event, *,
+                 checks: Sequence[HealthCheck] = (), check_period_s: float = 300.0) -> None:
+    """The node agent's reporting loop: each finding as it arrives, the check tier every `check_period_s`
+    (first at once), until `stop` is set."""
+    next_check = reporter.now()
+    while not stop.is_set():
+        if checks and reporter.now() >= next_check:
+            reporter.checks(run_checks(checks))
+            next_check = reporter.now() + check_period_s
+        try:
+            finding = findings.get(timeout=0.2)
+        except queue.Empty:
+            reporter.flush()
+            continue
+        reporter.feed(finding)
