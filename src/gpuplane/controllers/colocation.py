@@ -16,6 +16,16 @@ enforces.
   (its memory quota, else what it holds), that line plus a hysteresis stays free even when online returns
   to the peak it reached in the admission window. Otherwise it is held (stopped) until it fits, and
   evicted if it has not fitted within the admission timeout (the scheduler places it again).
+
+A world that steps in minutes (the platform week) cannot run a pass every 20 ms per card. `CardPolicy.window`
+is the same rules aggregated over a window, for many cards at once (numpy arrays in, arrays out): the share
+of the window the slice arbiter leaves offline work running, the online busy time that runs beside it
+before a suspension lands, the suspensions, and the memory guard's eviction and admission. The gate's share
+is derived from the passes' rule (a pass reads online demand when online was busy more than
+`online_sm_threshold_pct` of its poll; offline runs after `min_slice_s` rounded up to whole polls of idle
+readings) for online requests arriving as a Poisson stream (exponential idle gaps): tests/test_colocation_policy.py
+checks it against `decide` run at 20 ms over random traces. Burstier arrivals leave longer idle gaps for the
+same busy share, so offline work gets at least the aggregate's share there.
 """
 
 from __future__ import annotations
@@ -26,7 +36,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 GIB = 1 << 30
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+ArrayLike = npt.ArrayLike
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +312,30 @@ class CardDecision:
     """The safety line (bytes of free memory)."""
 
 
+@dataclass(frozen=True, slots=True)
+class WindowOutcome:
+    """What the guard's passes do over one window, per card (arrays of the cards' shape). Shares are of the
+    window's length; expectations, not one draw."""
+
+    offline_share: FloatArray
+    """Share of the window the slice arbiter leaves offline work running (0 where no offline demand)."""
+    active_share: FloatArray
+    """Share of the passes that read online demand."""
+    exposed_share: FloatArray
+    """Share of the window online is busy while offline still runs (before the suspension's pass; the
+    caller adds its drain): the online time slowed by co-running offline kernels."""
+    suspensions: FloatArray
+    """Expected suspensions (offline running, then a pass reads demand) in the window."""
+    threshold_bytes: IntArray
+    """The memory guard's safety line (free bytes)."""
+    evict: BoolArray
+    """The memory guard evicts offline work in the window (the least free memory is below the line)."""
+    shortfall_bytes: IntArray
+    """What the eviction must free (0 where none): `pick_eviction` takes it."""
+    admissible_bytes: IntArray
+    """The largest offline footprint admission lets start now (`MemoryGuard.admissible_bytes`)."""
+
+
 class CardPolicy:
     """The online-first policy of one card, one pass at a time: what the node guard decides from its readings
     (and the co-location scenario replays). `decide` feeds the memory guard and the slice arbiter and walks
@@ -312,6 +353,72 @@ class CardPolicy:
         self.settings = settings
         self.arbiter.min_slice_s = settings.min_slice_s
         self.memory.settings = settings
+
+    def window(self, online_busy_share: ArrayLike, *, online_request_s: ArrayLike, offline_demand: ArrayLike,
+               free_bytes: ArrayLike, offline_bytes: ArrayLike, online_rise_bytes: ArrayLike = 0,
+               online_to_peak_bytes: ArrayLike = 0, window_s: float = 60.0,
+               reaction: GuardReaction = GUARD_REACTION) -> WindowOutcome:
+        """`decide`'s passes every `reaction.poll_s` over a window of `window_s`, aggregated, for many cards at
+        once (pure: reads only the thresholds, never the arbiter's or the memory guard's state).
+
+        Per card: `online_busy_share` u, the share of the window online kernels run; `online_request_s` S, the
+        mean GPU time of one online request (arrivals Poisson at λ = u / S); `offline_demand`, whether offline
+        work is there to run; `free_bytes`, the least free card memory in the window; `offline_bytes`, what
+        offline work holds; `online_rise_bytes`, the largest online rise within the reaction horizon seen in
+        the growth window (the memory guard's `rise`); `online_to_peak_bytes`, how far online may climb back
+        to its peak of the admission window.
+
+        The gate, from the passes' rule. A pass reads idle when online ran at most θ = threshold × poll of its
+        poll p; offline runs after a pass that ends n = ceil(min_slice / p) + 1 idle readings in a row.
+        With exponential idle gaps (rate λ), n polls read idle with probability
+        G = (1 − u) · exp(−λ (n p − θ)) · (1 + λ θ): idle from the start (1 − u) with no arrival before the
+        last θ (an arrival there runs at most θ in the poll), plus a busy poll start whose busy period ends
+        within θ (probability ≈ λ θ (1 − u) to first order). Each further poll stays idle with exp(−λ p),
+        so a pass suspends with G (1 − exp(−λ p)). In an open poll that starts idle, online is busy
+        u (p − S (1 − exp(−p / S))) (the alternating process relaxes to u at rate λ + (1 − u) / S = 1 / S);
+        after an open poll that ends in a sliver (share q = λθ / (1 + λθ) of them) the next poll starts busy
+        and stays busy B (1 − exp(−p / B)), B = S / (1 − u) the mean busy period.
+
+        The memory guard, as `decide` reads it: the line is `MemoryGuard.threshold` at that rise; the guard
+        evicts where offline work holds memory and the least free is below the line. The passes compare each
+        reading with the line at the rise seen so far, so the aggregate evicts whenever they do, and also
+        when the window's least free memory came before its largest rise."""
+        s = self.settings
+        u = np.clip(np.asarray(online_busy_share, dtype=np.float64), 0.0, 1.0)
+        req = np.broadcast_to(np.asarray(online_request_s, dtype=np.float64), u.shape)
+        if np.any(req <= 0):
+            raise ValueError("online_request_s: must be > 0")
+        demand = np.broadcast_to(np.asarray(offline_demand, dtype=np.bool_), u.shape)
+        p = reaction.poll_s
+        theta = reaction.online_sm_threshold_pct / 100.0 * p
+        polls = math.ceil(s.min_slice_s / p - 1e-9) + 1
+        busy = u < 1.0
+        lam = u / req
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            idle = np.where(busy, (1.0 - u) * np.exp(-lam * (polls * p - theta)) * (1.0 + lam * theta), 0.0)
+            idle = np.clip(idle, 0.0, 1.0)
+            stays = np.exp(-lam * p)
+            period = np.where(busy, req / np.where(busy, 1.0 - u, 1.0), np.inf)
+            sliver = lam * theta / (1.0 + lam * theta)
+            from_idle = u * (p - req * (1.0 - np.exp(-p / req)))
+            from_busy = np.where(busy, period * (1.0 - np.exp(-p / period)), p)
+            exposed = idle * ((1.0 - sliver) * from_idle + sliver * from_busy) / p
+        offline_share = np.where(demand, idle, 0.0)
+        active = 1.0 - np.where(busy, np.clip((1.0 - u) * np.exp(-lam * (p - theta)) * (1.0 + lam * theta),
+                                              0.0, 1.0), 0.0)
+        suspensions = np.where(demand, window_s / p * idle * (1.0 - stays), 0.0)
+
+        free = np.broadcast_to(np.asarray(free_bytes, dtype=np.int64), u.shape)
+        held = np.broadcast_to(np.asarray(offline_bytes, dtype=np.int64), u.shape)
+        rise = np.maximum(np.broadcast_to(np.asarray(online_rise_bytes, dtype=np.int64), u.shape),
+                          s.min_growth_bytes)
+        threshold = s.safety_margin_bytes + np.ceil(s.growth_factor * rise).astype(np.int64)
+        evict = (free < threshold) & (held > 0) if self.evictions and s.memory_guard else np.zeros(u.shape, bool)
+        to_peak = np.maximum(0, np.broadcast_to(np.asarray(online_to_peak_bytes, dtype=np.int64), u.shape))
+        admissible = (free - to_peak - threshold - s.admit_hysteresis_bytes) if s.memory_guard else free.copy()
+        return WindowOutcome(offline_share, active, np.where(demand, exposed, 0.0), suspensions, threshold,
+                             evict, np.where(evict, threshold - free, 0).astype(np.int64),
+                             np.asarray(admissible, dtype=np.int64))
 
     def decide(self, now: float, online_active: bool | None, online_bytes: int, free_bytes: int,
                offline: Sequence[OfflineView]) -> CardDecision:
