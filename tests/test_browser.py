@@ -23,6 +23,7 @@ from gpuplane.report.browser import (
     find_chromium,
     page_url,
     png_size,
+    shrink_png,
     table_rows,
 )
 
@@ -146,3 +147,25 @@ def test_table_rows_give_back_every_cell_in_order(cells: list[list[int]]) -> Non
         "<tr>" + "".join(f"<td> {v}\n</td>" for v in row) + "</tr>" for row in cells) + "</table></body></html>"
     assert table_rows(dom) == [[str(v) for v in row] for row in cells]
     assert dom_text(dom) == " ".join(str(v) for row in cells for v in row)
+
+
+def test_a_full_page_screenshot_ends_below_the_pages_last_content(chromium: Chromium, tmp_path: Path) -> None:
+    page = tmp_path / "tall.html"
+    page.write_text('<html><body style="margin:0;background:#fff"><div style="height:300px;background:#00f">'
+                    "</div></body></html>", encoding="utf-8")
+    shot = chromium.full_page(page, artefact_path("test_browser-full-page.png"), 200, max_height=1000, margin=10)
+    assert (shot.width, shot.height) == (200, 310)  # 300 px of blue, then the 10 px margin
+    with Image.open(shot.path) as image:
+        assert image.size == (200, 310)
+        assert image.convert("RGB").getpixel((100, 299)) == (0, 0, 255)
+        assert image.convert("RGB").getpixel((100, 300)) == (255, 255, 255)
+
+
+def test_a_shrunk_screenshot_keeps_its_size_in_a_palette(chromium: Chromium, page: Path, tmp_path: Path) -> None:
+    shot = chromium.screenshot(page, tmp_path / "shot.png", 400, 300)
+    small = shrink_png(shot.path, colours=16)
+    assert (small.width, small.height) == (400, 300)
+    with Image.open(small.path) as image:
+        assert image.mode == "P"
+        assert len(image.getcolors() or []) <= 16
+        assert image.convert("RGB").getpixel((399, 299)) == (200, 30, 30)  # the background survives

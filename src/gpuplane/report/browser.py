@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 from gpuplane.model import GpuplaneError
 
 CHROMIUM_ENV = "GPUPLANE_CHROMIUM"
@@ -141,6 +144,20 @@ class Chromium:
             raise BrowserError(f"chromium wrote a {got[0]} × {got[1]} screenshot, {width} × {height} was asked")
         return Screenshot(out, width, height, len(data))
 
+    def full_page(self, target: str | os.PathLike[str], out: Path, width: int, max_height: int = 16_000,
+                  margin: int = 24) -> Screenshot:
+        """The whole page at `width`: rendered `max_height` tall, then cut `margin` pixels below the last row
+        that differs from the page's background (the bottom-right pixel)."""
+        shot = self.screenshot(target, out, width, max_height)
+        with Image.open(shot.path) as opened:
+            image = opened.convert("RGB")
+        pixels = np.asarray(image)
+        background = pixels[-1, -1]
+        rows = np.flatnonzero((pixels != background).any(axis=(1, 2)))
+        height = min(max_height, int(rows[-1]) + 1 + margin) if len(rows) else max_height
+        image.crop((0, 0, width, height)).save(shot.path, optimize=True)
+        return Screenshot(shot.path, width, height, shot.path.stat().st_size)
+
     def dump_dom(self, target: str | os.PathLike[str]) -> str:
         """The page's DOM, serialised after load and `budget_ms` of its scripts."""
         url = page_url(target)
@@ -148,6 +165,15 @@ class Chromium:
         if "<html" not in dom.lower():
             raise BrowserError(f"chromium gave back no DOM for {url[:200]}")
         return dom
+
+
+def shrink_png(path: Path, colours: int = 256) -> Screenshot:
+    """Rewrite a screenshot as a palette PNG of at most `colours` colours (plots and text keep their look at a
+    fraction of the size): for screenshots kept in the repository."""
+    with Image.open(path) as opened:
+        image = opened.convert("RGB")
+    image.quantize(colors=colours, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+    return Screenshot(path, image.width, image.height, path.stat().st_size)
 
 
 def _stderr_tail(err: str, lines: int = 8) -> str:

@@ -7,13 +7,15 @@ writes the week's own page, these first."""
 
 from __future__ import annotations
 
+import argparse
 import html
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -21,10 +23,12 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from gpuplane.report.browser import Chromium, shrink_png
 from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.platform import SCENARIO, PlatformFigures, PlatformSettings
 from gpuplane.sim.platform.fleet import CAPABILITIES, POOLS, TRAINING_POOL
-from gpuplane.sim.scenario import Sweep
+from gpuplane.sim.scenario import Scenario, Sweep
+from gpuplane.sim.scenario.sweep import parse_seeds, run_seeds, with_overrides
 
 _COLOURS = {"training": "#dd8452", "inference": "#4c72b0", "inference-stable": "#55a868",
             "inference-tidal": "#8172b3", "dev": "#937860", "fleet": "#222222"}
@@ -405,12 +409,48 @@ def sections(sweep: Sweep[Any, Any]) -> Sequence[str]:
 
 
 def write_week_report(sweep: Sweep[Any, Any], path: Path) -> Path:
-    """The week's own page: the summary, `sections`, the median run's tables, and the settings."""
+    """The week's own page: the summary, `sections`, then the median run's tables and the settings folded."""
     run, seed = _median(sweep)
-    tables = "".join(f"<h2>{html.escape(t.title)} (seed {seed})</h2>" + comparison_table(t.columns, t.rows)
+    tables = "".join(f"<h3>{html.escape(t.title)}</h3>" + comparison_table(t.columns, t.rows)
                      for t in SCENARIO.tables(run))
     body = (f"<p>{html.escape(SCENARIO.summary(run))} (seed {seed}, the median run of {len(sweep.seeds)})</p>"
-            + "".join(sections(sweep)) + tables + settings_table(sweep.settings))
+            + "".join(sections(sweep))
+            + f"<details><summary>The median run's tables (seed {seed})</summary>{tables}</details>"
+            + f"<details><summary>Settings</summary>{settings_table(sweep.settings)}</details>")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page(f"{SCENARIO.title}: {len(sweep.seeds)} seed(s)", body), encoding="utf-8")
     return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python3 -m gpuplane.report.platform`: a sweep on the quick settings (the ablation on), its week page,
+    and a headless-Chromium screenshot of the page (the docs' image)."""
+    parser = argparse.ArgumentParser(prog="python3 -m gpuplane.report.platform", description=main.__doc__)
+    parser.add_argument("--seeds", default="2-3", help="seeds to sweep (default 2-3)")
+    parser.add_argument("--days", type=float, default=None, help="simulated days (default: the quick settings')")
+    parser.add_argument("--no-ablation", action="store_true", help="leave out the ablation arms")
+    parser.add_argument("--out", type=Path, default=Path("out/platform-week"), help="folder for index.html")
+    parser.add_argument("--png", type=Path, default=None, help="write a screenshot of the page here")
+    parser.add_argument("--width", type=int, default=1100, help="the screenshot's width in pixels")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {"ablation": not args.no_ablation}
+    if args.days is not None:
+        overrides["days"] = args.days
+    settings = with_overrides(PlatformSettings.model_validate(dict(SCENARIO.quick)), overrides)
+    scenario = cast("Scenario[PlatformSettings, PlatformFigures]", SCENARIO)
+
+    def progress(label: str, done: int, total: int) -> None:
+        print(f"{label} {done}/{total}", file=sys.stderr, flush=True)
+
+    sweep = run_seeds(scenario, settings, parse_seeds(args.seeds), progress)
+    path = write_week_report(sweep, args.out / "index.html")
+    print(path)
+    if args.png is not None:
+        Chromium.find(timeout_s=120.0).full_page(path, args.png, args.width)
+        shot = shrink_png(args.png)
+        print(f"{shot.path}: {shot.width} × {shot.height}, {shot.size_bytes / 1024:.0f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
