@@ -15,7 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpuplane.report.browser import Chromium, artefact_path, dom_text, table_rows
-from gpuplane.report.platform import COLUMNS, cell, comparison_rows, duration, lent_nodes, sections, write_week_report
+from gpuplane.report.platform import (
+    COLUMNS,
+    cell,
+    comparison_rows,
+    duration,
+    lent_nodes,
+    make_week,
+    sections,
+    write_week_report,
+)
 from gpuplane.sim.platform import ARMS, SCENARIO, PlatformFigures, PlatformSettings
 from gpuplane.sim.platform.fleet import POOLS
 from gpuplane.sim.scenario import Scenario, numeric_figures
@@ -157,3 +166,21 @@ def test_chromium_shows_the_comparison_tables_numbers(tmp_path: Path) -> None:
     assert "fleet utilisation 44.0 → 63.2 %" in dom_text(dom)  # the summary line of the median run (seed 2)
     shot = browser.screenshot(path, artefact_path("test_platform_report-week.png"), 1100, 2400)
     assert (shot.width, shot.height) == (1100, 2400) and shot.size_bytes > 10_000
+
+
+def test_a_real_quick_week_shows_its_own_figures_in_chromium(tmp_path: Path) -> None:
+    """A real (short) run of the quick fleet, vanilla and platform: the page Chromium renders shows the run's
+    own figures in the comparison table, and its screenshot comes out."""
+    settings = SETTINGS.model_copy(update={"days": 0.25, "ablation": False})
+    sweep, path, shot = make_week(settings, (1,), tmp_path, artefact_path("test_platform_report-real.png"))
+    run = sweep.runs[0]
+    rows = table_rows(Chromium.find().dump_dom(path))
+    shown = {row[0]: tuple(row[1:]) for row in rows if len(row) == len(COLUMNS) + 1}
+    fleet = shown["fleet-wide daily average GPU utilisation (%)"]
+    assert fleet[0] == f"{run.vanilla_fleet_util_pct:.1f}"
+    assert fleet[1] == f"{run.platform_fleet_util_pct:.1f}"
+    assert fleet[2] == f"{run.platform_util_gain_points:+.1f} points".replace("-", "−")
+    assert shown["inference GPU-hours"][:2] == (f"{run.vanilla_inference_gpu_h:,.0f}",
+                                                f"{run.platform_inference_gpu_h:,.0f}")
+    assert shown["utilisation tidal lending adds (platform over no-tidal)"][2] == "—"  # no ablation was run
+    assert shot is not None and shot.width == 1100 and shot.height > 2000

@@ -23,11 +23,11 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from gpuplane.report.browser import Chromium, shrink_png
+from gpuplane.report.browser import Chromium, Screenshot, shrink_png
 from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.platform import SCENARIO, PlatformFigures, PlatformSettings
 from gpuplane.sim.platform.fleet import CAPABILITIES, POOLS, TRAINING_POOL
-from gpuplane.sim.scenario import Scenario, Sweep
+from gpuplane.sim.scenario import Progress, Scenario, Sweep, no_progress
 from gpuplane.sim.scenario.sweep import parse_seeds, run_seeds, with_overrides
 
 _COLOURS = {"training": "#dd8452", "inference": "#4c72b0", "inference-stable": "#55a868",
@@ -437,19 +437,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.days is not None:
         overrides["days"] = args.days
     settings = with_overrides(PlatformSettings.model_validate(dict(SCENARIO.quick)), overrides)
-    scenario = cast("Scenario[PlatformSettings, PlatformFigures]", SCENARIO)
 
     def progress(label: str, done: int, total: int) -> None:
         print(f"{label} {done}/{total}", file=sys.stderr, flush=True)
 
-    sweep = run_seeds(scenario, settings, parse_seeds(args.seeds), progress)
-    path = write_week_report(sweep, args.out / "index.html")
+    sweep, path, shot = make_week(settings, parse_seeds(args.seeds), args.out, args.png, args.width, progress)
+    print(SCENARIO.summary(_median(sweep)[0]))
     print(path)
-    if args.png is not None:
-        Chromium.find(timeout_s=120.0).full_page(path, args.png, args.width)
-        shot = shrink_png(args.png)
+    if shot is not None:
         print(f"{shot.path}: {shot.width} × {shot.height}, {shot.size_bytes / 1024:.0f} KiB")
     return 0
+
+
+def make_week(settings: PlatformSettings, seeds: Sequence[int], out: Path, png: Path | None = None,
+              width: int = 1100, progress: Progress = no_progress) -> tuple[Sweep[Any, Any], Path, Screenshot | None]:
+    """Sweep `seeds`, write the week page to `out`/index.html and, given `png`, its full-page screenshot
+    (shrunk to a palette)."""
+    scenario = cast("Scenario[PlatformSettings, PlatformFigures]", SCENARIO)
+    sweep = run_seeds(scenario, settings, seeds, progress)
+    path = write_week_report(sweep, out / "index.html")
+    shot = None
+    if png is not None:
+        Chromium.find(timeout_s=120.0).full_page(path, png, width)
+        shot = shrink_png(png)
+    return sweep, path, shot
 
 
 if __name__ == "__main__":
