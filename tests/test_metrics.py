@@ -293,3 +293,20 @@ def test_cards_and_pending_add_up(requests: list[tuple[str, int, int]]) -> None:
     pending = sum(1 for p in cluster.list_pods() if p.phase.value == "Pending")
     assert sum(snap.pending.values()) == pending
     assert sum(snap.unschedulable.values()) <= pending
+
+
+def test_a_new_observer_replaces_the_old_and_close_drops_its_gauges() -> None:
+    cluster, scheduler, observer, metrics = world()
+    assert cluster.create_pod(queued("big", 9)).ok
+    observer.run_pending(scheduler)
+    # a component that takes over again builds a new observer on the same registry: one set of gauges, not two.
+    again = ClusterObserver(cluster, metrics, now=cluster.loop.now)
+    metrics.counters(scheduler_counters(scheduler))
+    text = metrics.exposition().decode()
+    assert text.count("# TYPE gpuplane_scheduler_pending_pods gauge") == 1
+    assert text.count("# TYPE gpuplane_scheduler_preemption_attempts_total counter") == 1
+    assert value(metrics, PENDING_PODS, priority_class="none", queue="none") == 1
+    observer.close()  # the old one leaves; the new one still exports under the shared key
+    assert value(metrics, PENDING_PODS, priority_class="none", queue="none") == 1
+    again.close()
+    assert PENDING_PODS not in metrics.exposition().decode()

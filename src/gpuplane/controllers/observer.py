@@ -136,11 +136,13 @@ class ClusterObserver:
     """Keeps a copy of the port's nodes and pods from its events and records metrics from them.
 
     `now` is the port's clock (simulated time in a simulation), the clock of the reclaim-at annotation;
-    `quotas` the scheduler's queue quotas, for `QUEUE_*`. Safe to scrape from another thread."""
+    `quotas` the scheduler's queue quotas, for `QUEUE_*`; `key` the name its snapshot is exported under
+    (`PlaneMetrics.observe`). Safe to scrape from another thread."""
 
     def __init__(self, port: ClusterPort, metrics: PlaneMetrics, *, now: Callable[[], float],
-                 quotas: Quotas | None = None) -> None:
+                 quotas: Quotas | None = None, key: str = "cluster") -> None:
         self.metrics = metrics
+        self.key = key
         self.now = now
         self.quotas = quotas
         self._lock = threading.Lock()
@@ -148,10 +150,12 @@ class ClusterObserver:
         self._pods: dict[str, PodInfo] = {p.name: p for p in port.list_pods()}
         self._reasons: dict[str, str] = {}
         self._unsubscribe = port.watch(self._on_event)
-        metrics.observe(self)
+        metrics.observe(self, key)
 
     def close(self) -> None:
+        """Stop watching; the snapshot gauges leave the exposition (the counters keep their counts)."""
         self._unsubscribe()
+        self.metrics.drop(self.key, self)
 
     # ---------------------------------------------------------------- events
     def _on_event(self, event: ClusterEvent) -> None:
@@ -212,10 +216,10 @@ class ClusterObserver:
                 else:
                     self._reasons[name] = outcome_reason(outcome)
 
-    def run_pending(self, scheduler: Scheduler) -> list[Outcome]:
-        """`scheduler.run_pending()`, timed into `CYCLE_DURATION`, its outcomes recorded."""
+    def run_pending(self, scheduler: Scheduler, on_outcome: Callable[[Outcome], bool] | None = None) -> list[Outcome]:
+        """`scheduler.run_pending(on_outcome)`, timed into `CYCLE_DURATION`, its outcomes recorded."""
         started = time.perf_counter()
-        outcomes = scheduler.run_pending()
+        outcomes = scheduler.run_pending(on_outcome)
         self.metrics.cycle(time.perf_counter() - started)
         self.record_outcomes(outcomes)
         return outcomes

@@ -142,7 +142,7 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...], items: Iterable[tuple[t
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, sources: list[SnapshotSource], readers: list[Callable[[], Iterable[CounterReading]]],
+    def __init__(self, sources: dict[str, SnapshotSource], readers: dict[str, Callable[[], Iterable[CounterReading]]],
                  lock: threading.Lock) -> None:
         self._sources = sources
         self._readers = readers
@@ -150,7 +150,7 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            sources, readers = list(self._sources), list(self._readers)
+            sources, readers = list(self._sources.values()), list(self._readers.values())
         if sources:
             yield from snapshot_families(_merge([s.snapshot() for s in sources]))
         for reader in readers:
@@ -294,20 +294,33 @@ class PlaneMetrics:
         self._extender_seconds = Histogram(EXTENDER_DURATION, "Scheduler-extender request handling time.", ["verb"],
                                            buckets=CYCLE_BUCKETS, registry=reg)
         self._lock = threading.Lock()
-        self._sources: list[SnapshotSource] = []
-        self._readers: list[Callable[[], Iterable[CounterReading]]] = []
+        self._sources: dict[str, SnapshotSource] = {}
+        self._readers: dict[str, Callable[[], Iterable[CounterReading]]] = {}
         reg.register(_SnapshotCollector(self._sources, self._readers, self._lock))
 
     # ---------------------------------------------------------------- scrape-time sources
-    def observe(self, source: SnapshotSource) -> None:
-        """Export `source`'s snapshot at every scrape (several sources: later keys win)."""
+    def observe(self, source: SnapshotSource, key: str = "cluster") -> None:
+        """Export `source`'s snapshot at every scrape, in place of an earlier source under `key` (a component
+        that takes over again after losing its lease replaces its old observer). Several keys: merged, the
+        later key's values winning on the same labels."""
         with self._lock:
-            self._sources.append(source)
+            self._sources[key] = source
 
-    def counters(self, reader: Callable[[], Iterable[CounterReading]]) -> None:
-        """Export the counts `reader` returns at every scrape."""
+    def counters(self, reader: Callable[[], Iterable[CounterReading]], key: str = "scheduler") -> None:
+        """Export the counts `reader` returns at every scrape, in place of an earlier reader under `key`.
+        Two readers must not return the same metric name."""
         with self._lock:
-            self._readers.append(reader)
+            self._readers[key] = reader
+
+    def drop(self, key: str, source: SnapshotSource | None = None) -> None:
+        """Stop exporting the source and the reader under `key` (their gauges vanish from the next scrape);
+        with `source`, the source only, and only if it is still the one under `key`."""
+        with self._lock:
+            if source is None:
+                self._sources.pop(key, None)
+                self._readers.pop(key, None)
+            elif self._sources.get(key) is source:
+                del self._sources[key]
 
     # ---------------------------------------------------------------- recorded by a call
     def attempt(self, result: str, count: int = 1) -> None:
