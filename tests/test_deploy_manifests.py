@@ -270,9 +270,13 @@ REQUIRED: dict[str, set[Grant]] = {
     # gpuplane.kube.operator: its policies (informers) and their status (PATCH .../status); the tidal controller
     # through KubeCluster: node patches (loan labels, taints), pod-deletion-cost patches before a scale-down,
     # evictions, PATCH deployments/<d>/scale. Its Lease (gpuplane.kube.lease: GET, POST, PUT).
+    # Recovery and node health: the node agents' Events (informer, a patch marking each handled), a failed
+    # gang's pods deleted for their owner to re-create.
     "gpuplane-operator": _POD_CACHE | {
         ("patch", "", "nodes", "cluster", None),
         ("patch", "", "pods", "cluster", None),
+        ("delete", "", "pods", "cluster", None),
+        *{(v, "", "events", "cluster", None) for v in ("get", "list", "watch", "patch")},
         ("create", "", "pods/eviction", "cluster", None),
         ("get", "apps", "deployments/scale", "cluster", None),
         ("patch", "apps", "deployments/scale", "cluster", None),
@@ -288,6 +292,7 @@ REQUIRED: dict[str, set[Grant]] = {
         *{(v, "", "nodes", "cluster", None) for v in ("get", "list", "watch", "patch")},
         *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch")
           for r in ("colocationpolicies", "gpupools")},
+        ("create", "", "events", "cluster", None),  # gpuplane.node.reporter
     },
     "gpuplane-webhook": set(),
     "gpuplane-scaler": set(),

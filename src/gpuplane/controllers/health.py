@@ -468,3 +468,17 @@ class NodeHealthController:
 
     def label(self, node: str, label: str | None) -> Status:
         return self.port.patch_node(node, labels={HEALTH_LABEL: label})
+
+    def rebuild(self) -> list[str]:
+        """Register every node in the book in the state its `HEALTH_LABEL` says (a controller that starts, or
+        a new leader, takes over what the nodes carry; a lemon's label reads as healthy, its failures being
+        forgotten). Returns the nodes found out of healthy."""
+        now = self.now()
+        found = []
+        for info in self.port.list_nodes():
+            label = dict(info.spec.labels).get(HEALTH_LABEL)
+            state = next((s for s in NodeHealth if s.value == label), NodeHealth.HEALTHY)
+            self.book.register(info.name, now, state)
+            if state is not NodeHealth.HEALTHY:
+                found.append(info.name)
+        return found

@@ -364,21 +364,29 @@ class RecoveryController:
         return job.planner.interval_s(cost_s)
 
     def on_node_evidence(self, evidence: Sequence[Evidence]) -> dict[str, RecoveryOutcome]:
-        """What node agents reported (one incident's evidence, any nodes): every gang with a live member on a
-        reporting node fails with all of it (`on_failure`); with no gang there, the verdict still isolates the
-        nodes it isolates and attributes the failure to the nodes it blames. Returns the outcome per gang."""
-        nodes = {item.node for item in evidence}
-        if not nodes:
-            return {}
+        """What node agents reported (one or more incidents, any nodes): each gang with a live member on a
+        reporting node fails with the evidence of its own nodes (`on_failure`); the evidence of nodes no gang
+        is on is classified on its own, and still isolates the nodes it isolates and attributes the failure
+        to the nodes it blames. Returns the outcome per gang, in the order the gangs were submitted/adopted."""
         pods = self.port.list_pods()
-        on = {p.name for p in pods if p.assignment is not None and p.assignment.node in nodes
-              and p.phase in (PodPhase.PENDING, PodPhase.RUNNING)}
-        hit = [name for name, job in self.jobs.items() if any(m in on for m in job.members())]
-        hit += [name for name, gang in self.adopted.items() if any(p.name in on for p in gang.members(pods))]
-        if not hit:
-            self._blame(classify_incident(self.classifier, evidence, self.now()), "")
-            return {}
-        return {name: self.on_failure(name, evidence) for name in hit}
+        gangs_on: dict[str, list[str]] = {}
+        live = [(name, job.members()) for name, job in self.jobs.items()]
+        live += [(name, [p.name for p in gang.members(pods)]) for name, gang in self.adopted.items()]
+        node_of = {p.name: p.assignment.node for p in pods if p.assignment is not None
+                   and p.phase in (PodPhase.PENDING, PodPhase.RUNNING)}
+        for name, members in live:
+            for node in {node_of[m] for m in members if m in node_of}:
+                gangs_on.setdefault(node, []).append(name)
+        per_gang: dict[str, list[Evidence]] = {name: [] for name, _ in live}
+        lone: list[Evidence] = []
+        for item in evidence:
+            for name in gangs_on.get(item.node, ()):
+                per_gang[name].append(item)
+            if item.node not in gangs_on:
+                lone.append(item)
+        if lone:
+            self._blame(classify_incident(self.classifier, lone, self.now()), "")
+        return {name: self.on_failure(name, items) for name, items in per_gang.items() if items}
 
     def on_failure(self, job_name: str, evidence: Sequence[Evidence]) -> RecoveryOutcome:
         job = self.gang(job_name)

@@ -17,8 +17,16 @@ Why a small loop rather than kopf: kopf's peering is a priority scheme on its ow
 it owns the event loop and the clock; the controllers here are already clock-driven reconcilers, and this
 loop runs them in virtual time against the local test API server, the same code path as in the cluster.
 
-The recovery controller is not run here: it needs the failure classifier's log stream and node health
-reports, which come from the node agent, not from these resources.
+Every controller runs under the one Lease (`LeaseConfig.name`, default `gpuplane-operator`): one leader runs
+them all, in this order each pass: recovery and node health (the node agents' Events, `gpuplane.kube.node_reports`,
+read by an informer on core/v1 events labelled `gpuplane.io/report`; each gang the pods name is adopted by a
+`RecoveryController`, restarted by deleting its pods for their owner to re-create; a health tier moves the node
+in the `NodeHealthBook` and the `NodeHealthController` taints or untaints it; each Event acted on is annotated
+`gpuplane.io/handled-at`, so a new leader does not act twice, and rebuilds the book from the nodes'
+`gpuplane.io/health` labels), the GpuPools, each TidalPolicy, the ColocationPolicies' distribution (each node
+annotated `gpuplane.io/colocation-policy` with the one that governs it, `kube.reconcilers.ColocationDistributor`)
+and the Queues (validated, status written; their quotas are applied by gpuplane-scheduler,
+`gpuplane.kube.declarations`).
 
 Times of day in TidalPolicies are UTC (the controller takes `now() mod 86400`). Load: with a `load` reader
 (`gpuplane operator --prometheus URL --load-query Q` reads each service's load from Prometheus through the
@@ -42,7 +50,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
+from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.forecast import NO_FORECAST, LoadForecast, SeasonalForecaster
+from gpuplane.controllers.health import HealthPolicy, NodeHealthBook, NodeHealthController
+from gpuplane.controllers.recovery import RecoveryController
 from gpuplane.controllers.tidal import SUBSET_LABEL, TidalController
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi
 from gpuplane.kube.cluster import KubeCluster
@@ -61,13 +72,18 @@ from gpuplane.kube.crds import (
 )
 from gpuplane.kube.informer import Informer
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
-from gpuplane.kube.objects import POOL_LABEL, format_time, object_key, selects
+from gpuplane.kube.node_reports import EVENTS_PATH, REPORT_LABEL, NodeReport, parse_report
+from gpuplane.kube.objects import format_time, object_key, selects
 from gpuplane.kube.pools import PoolRule, conflict_message, plan_pools
+from gpuplane.kube.reconcilers import ColocationDistributor, RecoveryFeed, apply_pool_plan
 from gpuplane.model import Assignment, Catalog, GpuplaneError, PodRequest, Taint, default_catalog
+from gpuplane.model.failures import SignatureLibrary, load_signature_library
 from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
 
 log = logging.getLogger(__name__)
 
+HANDLED_ANNOTATION = "gpuplane.io/handled-at"
+"""Written on a node agent's Event once the operator has acted on it, so that a new leader does not act twice."""
 
 
 class LoadReader(Protocol):
@@ -149,8 +165,18 @@ class Operator:
 
     def __init__(self, api: KubeApi, elector: LeaseElector, clock: Clock, *, catalog: Catalog | None = None,
                  cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
-                 load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster) -> None:
+                 load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster,
+                 library: SignatureLibrary | None = None, health_policy: HealthPolicy | None = None) -> None:
         self.api = api
+        self.library = library if library is not None else load_signature_library()
+        self.health_policy = health_policy or HealthPolicy()
+        self.recovery: RecoveryController | None = None
+        self.health: NodeHealthController | None = None
+        self.feed: RecoveryFeed | None = None
+        self.colocation: ColocationDistributor | None = None
+        self._handled: set[str] = set()
+        """Keys of the node agents' Events acted on while leading (the annotation may not have reached the
+        informer yet)."""
         self.elector = elector
         self.clock = clock
         self.catalog = catalog if catalog is not None else default_catalog()
@@ -183,7 +209,9 @@ class Operator:
             return
         assert self.cluster is not None
         self.cluster.pump()
+        self._recover()
         seen: set[str] = set()
+        colocation: dict[str, Mapping[str, str]] = {}
         for kind in KINDS:
             pools: list[tuple[Resource, GpuPoolSpec, JsonObject]] = []
             for obj in self.informers[kind.kind].objects():
@@ -192,8 +220,12 @@ class Operator:
                 resource = self._reconcile(kind, key, obj)
                 if resource is not None and isinstance(resource.spec, GpuPoolSpec):
                     pools.append((resource, resource.spec, obj))
+                elif resource is not None and isinstance(resource.spec, ColocationPolicySpec):
+                    colocation[object_key(obj)] = resource.spec.node_selector
             if kind is GPU_POOL:
                 self._apply_pools(pools)
+        assert self.colocation is not None
+        self.colocation.reconcile(colocation)
         for key in set(self.tidal) - seen:
             del self.tidal[key]
         for key in set(self.forecasts) - seen:
@@ -220,6 +252,16 @@ class Operator:
             informer = Informer(self.api, kind.path(self.namespace), name=kind.plural)
             informer.start()
             self.informers[kind.kind] = informer
+        reports = Informer(self.api, EVENTS_PATH, label_selector=REPORT_LABEL, name="node reports")
+        reports.start()
+        self.informers["Event"] = reports
+        book = NodeHealthBook(self.health_policy)
+        self.health = NodeHealthController(self.cluster, book, self.clock.now)
+        self.health.rebuild()
+        self.recovery = RecoveryController(self.cluster, FailureClassifier(self.library), book, self.clock.now,
+                                           health=self.health)
+        self.feed = RecoveryFeed(self.recovery, self.health)
+        self.colocation = ColocationDistributor(self.cluster)
         for informer in self.informers.values():
             if not informer.wait_synced(30.0):
                 log.warning("%s: the first list has not answered yet", informer.name)
@@ -231,10 +273,44 @@ class Operator:
             self.cluster.close()
         for informer in self.informers.values():
             informer.stop(timeout_s=0)  # its thread ends at its next read; nothing waits for it
+        if self.recovery is not None:
+            self.recovery.close()
         self.cluster = None
+        self.recovery = self.health = self.feed = self.colocation = None
+        self._handled.clear()
         self.informers.clear()
         self.tidal.clear()
         self.resources.clear()
+
+    # ------------------------------------------------------------------ recovery and node health
+    def _recover(self) -> None:
+        """Adopt the gangs the cluster runs, then act on the node agents' Events not acted on yet (oldest
+        first) and mark each handled."""
+        assert self.feed is not None and self.cluster is not None
+        self.feed.adopt_gangs()
+        fresh: list[NodeReport] = []
+        for obj in self.informers["Event"].objects():
+            meta = obj.get("metadata") or {}
+            key = object_key(obj)
+            if key in self._handled or HANDLED_ANNOTATION in (meta.get("annotations") or {}):
+                continue
+            report = parse_report(obj)
+            if report is not None:
+                fresh.append(report)
+        if not fresh:
+            return
+        fresh.sort(key=lambda r: (r.t, r.key))
+        self.feed.handle(fresh)
+        self.cluster.pump()
+        stamp = format_time(self.clock.now())
+        for report in fresh:
+            self._handled.add(report.key)
+            namespace, name = report.key.split("/", 1)
+            try:
+                self.api.patch(f"/api/v1/namespaces/{namespace}/events/{name}",
+                               {"metadata": {"annotations": {HANDLED_ANNOTATION: stamp}}})
+            except ApiError as exc:
+                log.warning("event %s: marking it handled failed: %s", report.key, exc)
 
     # ------------------------------------------------------------------ resources
     def _reconcile(self, kind: Kind, key: str, obj: JsonObject) -> Resource | None:
@@ -268,18 +344,7 @@ class Operator:
         rules = {resource.name: PoolRule.of(spec, self.catalog) for resource, spec, _ in pools}
         specs = {info.name: info.spec for info in self.cluster.list_nodes()}
         plan = plan_pools(rules, specs.values())
-        failed: dict[str, dict[str, str]] = {}
-        """Pool → node → why its label could not be written (set for the pool, or removed as the pool's)."""
-        for node, target in plan.changes.items():
-            if target is not None:
-                status = self.cluster.patch_node(node, pool=target)
-            else:
-                status = self.cluster.patch_node(node, labels={POOL_LABEL: None})
-            if not status.ok:
-                pool = target if target is not None else dict(specs[node].labels).get(POOL_LABEL, "")
-                log.warning("GpuPool %s: %s node %s failed: %s", pool, "labelling" if target else "unlabelling",
-                            node, status.message)
-                failed.setdefault(pool, {})[node] = status.message
+        failed = apply_pool_plan(self.cluster, plan, specs)
         valid = ("Valid", True, "Valid", "")
         for resource, _, obj in pools:
             report = plan.reports[resource.name]
