@@ -68,7 +68,8 @@ MUTATIONS = [
     ("sum by (component) (gpuplane_leader) > 1", "sum by (component) (gpuplane_leader) > 2"),
     ("kube-state-metrics\"} == 0", "kube-state-metrics\"} == 0 and up{job=\"nothing\"}"),
     ("status=\"true\"}) == 0)", "status=\"true\"}) == 1)"),  # node Ready inverted
-    ("or absent(gpuplane_leader{component=\"scheduler\"})", ""),  # a scheduler that reports nothing goes unnoticed
+    ("and on () absent(leader_election_master_status", "and on () (leader_election_master_status"),  # silence
+    ("or sum(leader_election_master_status{name=\"kube-scheduler\"}) < 1", ""),  # kube-scheduler's lease ignored
     ("increase(DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS[15m]) > 0", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS > 10"),
     ("gpuplane:queue_quota_use:ratio >= 1", "gpuplane:queue_quota_use:ratio > 1"),
 ]
