@@ -20,6 +20,20 @@ virtual time in the simulator and, later, against Kubernetes.
   reclaimed now serves only after that grace, so lending and reclaiming look `forecast_horizon_s +
   reclaim_grace_s` ahead (scaling looks `forecast_horizon_s` ahead).
 - After a restart the ledger is rebuilt from the nodes' annotations: no node is lent twice or forgotten.
+
+Sharing the services with another scaler (`replicas=`, e.g. the GPU scaler's `ScaledObjectScaler.replicas`
+per service): that scaler decides each service's replica count, as an HPA on the service's one workload
+would, and this controller does what WorkloadSpread and CronHPA do around it:
+- it splits the count between the stable and the tidal workload (stable `min(min_replicas, count)`, the
+  rest tidal): the other scaler scales no subset itself;
+- the policy's floor wins: the count is raised to the phase's floor (`day_floor` by day, the window's
+  `night_replicas` at night, never below `min_replicas`) and capped at `max_replicas`, so the scaler cannot
+  take a service under its night floor while its nodes are lent, nor above the policy's maximum;
+- lending and reclaiming look at the larger of that count and the forecast's (`forecast_horizon_s +
+  reclaim_grace_s` ahead): a scaler that scales up at night reclaims lent nodes early, and so does a rise
+  the forecast sees coming before the scaler does;
+- a service whose count is unknown (the reader answers None: not read yet) is scaled from the forecast,
+  as without a reader.
 """
 
 from __future__ import annotations
@@ -137,7 +151,10 @@ class TidalController:
                  forecast: LoadForecast, now: Callable[[], float], *, load: LoadSource | None = None,
                  lend: bool = True, drain_order: DrainOrder = DrainOrder.FEWEST_INSTANCES,
                  training_pool: str = "training", tidal_pool: str = "inference-tidal",
-                 forecast_horizon_s: float = 1800.0, seed: int = 0) -> None:
+                 forecast_horizon_s: float = 1800.0, seed: int = 0,
+                 replicas: Callable[[str], int | None] | None = None) -> None:
+        """`replicas`: another scaler's replica count per service (the whole service's; None: unknown); without
+        it this controller scales every service from its forecast."""
         self.port = port
         self.policy = policy
         self.services = {s.name: s for s in services}
@@ -150,6 +167,7 @@ class TidalController:
         self.training_pool = training_pool
         self.tidal_pool = tidal_pool
         self.forecast_horizon_s = forecast_horizon_s
+        self.replicas = replicas
         self.rng = np.random.default_rng(seed)
         self.stats = TidalStats()
         self.history: list[Loan] = []
@@ -169,7 +187,8 @@ class TidalController:
 
     # ------------------------------------------------------------------ loop
     def reconcile(self) -> None:
-        """One pass: scale every service, lend empty nodes in the window, reclaim when due."""
+        """One pass: scale every service (from the other scaler's count where there is one), lend empty nodes in
+        the window, reclaim when due."""
         t = self.now()
         self._observe(t)
         window, phase = self.policy.window_at(t)
@@ -187,7 +206,10 @@ class TidalController:
         if not self.lend:
             return
         # A reclaimed node serves only after its training pods' grace: look that much further ahead for it.
-        ahead = {spec.name: self._target(spec, t, window, phase, self.forecast_horizon_s + self.policy.reclaim_grace_s)
+        # Shared with another scaler: its count now counts too (it may be above what the forecast sees).
+        ahead = {spec.name: max(self._target(spec, t, window, phase,
+                                             self.forecast_horizon_s + self.policy.reclaim_grace_s, own=True),
+                                targets[spec.name] if self.replicas is not None else 0)
                  for spec in self.policy.services}
         short = self._shortfall_milli(ahead, nodes)
         if self.ledger and phase == "day":
@@ -219,13 +241,18 @@ class TidalController:
         return math.ceil(peak / binding.per_replica_capacity) if peak > 0 else 0
 
     def _target(self, spec: TidalService, t: float, window: TidalWindow | None, phase: str,
-                horizon_s: float | None = None) -> int:
+                horizon_s: float | None = None, *, own: bool = False) -> int:
+        """The phase's floor raised to the other scaler's count (unless `own`, or the count is unknown), else to
+        what the forecast needs over `horizon_s`; within the maximum."""
         if window is None or phase == "day":
             floor = max(spec.min_replicas, spec.day_floor)
         else:
             floor = max(spec.min_replicas, window.night_replicas.get(spec.name, spec.min_replicas))
-        horizon = self.forecast_horizon_s if horizon_s is None else horizon_s
-        return min(spec.max_replicas, max(floor, self._need(spec, t, horizon)))
+        given = None if own or self.replicas is None else self.replicas(spec.name)
+        if given is None:
+            horizon = self.forecast_horizon_s if horizon_s is None else horizon_s
+            given = self._need(spec, t, horizon)
+        return min(spec.max_replicas, max(floor, given))
 
     # ------------------------------------------------------------------ scaling
     def _scale(self, spec: TidalService, target: int, by_workload: Mapping[str, Sequence[PodInfo]],
