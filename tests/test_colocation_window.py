@@ -26,7 +26,7 @@ from gpuplane.controllers.colocation import (
     OfflineView,
     offline_transition,
 )
-from gpuplane.sim.colocation import exclusive_departures
+from gpuplane.sim.colocation import ColocationSettings, exclusive_departures, online_load
 
 G = GIB
 POLL = GUARD_REACTION.poll_s  # 0.02 s
@@ -50,7 +50,11 @@ def busy_readings(u: float, request_s: float, window_s: float, rng: np.random.Ge
     rate = u / request_s
     arrivals = np.cumsum(rng.exponential(1.0 / rate, int(rate * window_s * 1.5 + 50)))
     arrivals = arrivals[arrivals < window_s]
-    service = rng.gamma(4.0, request_s / 4.0, len(arrivals))
+    return load_readings(arrivals, rng.gamma(4.0, request_s / 4.0, len(arrivals)), 0.0, window_s)
+
+
+def load_readings(arrivals: np.ndarray, service: np.ndarray, start_s: float, window_s: float) -> np.ndarray:
+    """Per poll from `start_s` for `window_s`, the seconds a FCFS server of these requests was busy."""
     departures = exclusive_departures(arrivals, service)
     starts = arrivals > np.concatenate(([-1.0], departures[:-1]))  # a busy period starts on an idle card
     begin = arrivals[starts]
@@ -60,7 +64,7 @@ def busy_readings(u: float, request_s: float, window_s: float, rng: np.random.Ge
     done = np.concatenate(([0.0], np.cumsum(end - begin)))
     cumulative = np.empty(2 * len(begin))
     cumulative[0::2], cumulative[1::2] = done[:-1], done[1:]
-    ticks = np.arange(round(window_s / POLL) + 1) * POLL
+    ticks = start_s + np.arange(round(window_s / POLL) + 1) * POLL
     return np.diff(np.interp(ticks, edges, cumulative, left=0.0))
 
 
@@ -243,3 +247,23 @@ def test_the_aggregate_evicts_whenever_the_passes_do(walk: list[int], held: int)
                                online_rise_bytes=rise * G)
     if evicted:
         assert out.evict[0]
+
+
+def test_the_colocation_scenarios_burstier_arrivals_get_at_least_the_aggregates_share() -> None:
+    # The co-location scenario's own online load (evening peak, busy ~0.47, Gamma inter-arrivals of cv 1.5),
+    # its first ten 60 s windows, slice 0: burstier arrivals leave longer idle gaps for the same busy share, so
+    # the passes grant offline more than the Poisson aggregate (seed 3: 0.41 against 0.35 in the mean) and
+    # online runs less beside it (0.053 against 0.065 of the window): the aggregate errs on the safe side.
+    s = ColocationSettings(hours=0.25, arrival_cv=1.5)
+    load = online_load(s, np.random.default_rng(3))
+    policy = CardPolicy(GuardSettings(min_slice_s=s.min_slice_s))
+    passes_share, aggregate_share, passes_exposed, aggregate_exposed = [], [], [], []
+    for start in range(0, 600, 60):
+        passes = run_passes(load_readings(load.arrivals, load.service, float(start), 60.0), policy)
+        share, _, exposed, _ = aggregate(policy, passes.busy_share, s.online_service_ms / 1000.0, 60.0)
+        passes_share.append(passes.offline_share)
+        aggregate_share.append(share)
+        passes_exposed.append(passes.exposed_share)
+        aggregate_exposed.append(exposed)
+    assert np.mean(passes_share) >= np.mean(aggregate_share)
+    assert np.mean(passes_exposed) <= np.mean(aggregate_exposed)
