@@ -699,3 +699,15 @@ def test_a_broken_source_does_not_raise_out_of_the_decision_path() -> None:
 
     poll = ScaledObjectScaler(scaled()).poll(0.0, Broken())
     assert poll.report.source is FALLBACK and poll.report.error == "RuntimeError: bug"
+
+
+def test_desired_is_unknown_before_the_first_poll_then_the_hpas_count() -> None:
+    # what TidalController(replicas=...) reads: None (the tidal controller scales from its forecast) until read
+    scaler = ScaledObjectScaler(scaled(), min_query_interval_s=0.0)
+    assert scaler.desired is None
+    scaler.poll(0.0, Source({GPU: 140.0}))
+    assert scaler.desired == 2  # ceil(140 / 70)
+    spec = scaled(production=False, min_replicas=0, idle_cooldown_s=0.0, activation_query="gateway")
+    idle = ScaledObjectScaler(spec, min_query_interval_s=0.0)
+    idle.poll(0.0, Source({"gateway": 0.0}))
+    assert idle.desired == 0  # inactive: 0, a count, not unknown

@@ -63,7 +63,7 @@ def shared(*, trainers: int = 4) -> Shared:
     forecast = {"chat": NIGHT_LOAD}
     world.controller = TidalController(world.cluster, POLICY, [BINDING],
                                        FixedForecast(lambda svc, t, horizon: forecast[svc]), world.cluster.loop.now,
-                                       replicas=lambda name: scaler.replicas if scaler.report is not None else None)
+                                       replicas=lambda name: scaler.desired)
     state = Shared(world, scaler, rate, forecast, [])
     loop = world.cluster.loop
 

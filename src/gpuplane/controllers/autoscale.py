@@ -400,6 +400,12 @@ class ScaledObjectScaler:
     def key(self) -> str:
         return f"{self.spec.namespace}/{self.spec.name}"
 
+    @property
+    def desired(self) -> int | None:
+        """The count this scaler sets, for a controller that applies it (`TidalController(replicas=...)`): the
+        HPA algorithm's last count (0 when inactive), None before the first poll."""
+        return None if self.report is None else self.replicas
+
     def poll(self, now: float, source: MetricSource) -> Poll:
         """The report now: a fresh reading, or the one taken less than `min_query_interval_s` ago."""
         if (self.report is not None and self.read_at is not None

@@ -21,7 +21,7 @@ virtual time in the simulator and, later, against Kubernetes.
   reclaim_grace_s` ahead (scaling looks `forecast_horizon_s` ahead).
 - After a restart the ledger is rebuilt from the nodes' annotations: no node is lent twice or forgotten.
 
-Sharing the services with another scaler (`replicas=`, e.g. the GPU scaler's `ScaledObjectScaler.replicas`
+Sharing the services with another scaler (`replicas=`, e.g. the GPU scaler's `ScaledObjectScaler.desired`
 per service): that scaler decides each service's replica count, as an HPA on the service's one workload
 would, and this controller does what WorkloadSpread and CronHPA do around it:
 - it splits the count between the stable and the tidal workload (stable `min(min_replicas, count)`, the
