@@ -149,6 +149,15 @@ class NamespacedWorkloads:
                                     unschedulable=unschedulable, pool=pool)
 
 
+def tidal_controller(port: ClusterPort, namespace: str, spec: TidalPolicySpec, forecast: LoadForecast,
+                     now: Callable[[], float], load: Callable[[str], float | None] | None) -> TidalController:
+    """The tidal controller of one TidalPolicy in `namespace`, as the operator runs it (the parity run builds
+    the simulator's the same way)."""
+    return TidalController(NamespacedWorkloads(port, namespace), spec, spec.bindings(), forecast, now, load=load,
+                           lend=spec.lend, drain_order=spec.order, training_pool=spec.training_pool,
+                           tidal_pool=spec.tidal_pool, forecast_horizon_s=spec.forecast_horizon_s)
+
+
 @dataclass(slots=True)
 class _Tidal:
     generation: int
@@ -371,10 +380,7 @@ class Operator:
                     self.forecasts[key] = self.new_forecast()
                 forecast = self.forecasts[key]
                 load = functools.partial(self._read_load, key, resource.namespace)
-            controller = TidalController(
-                NamespacedWorkloads(self.cluster, resource.namespace), spec, spec.bindings(), forecast,
-                self.clock.now, load=load, lend=spec.lend, drain_order=spec.order, training_pool=spec.training_pool,
-                tidal_pool=spec.tidal_pool, forecast_horizon_s=spec.forecast_horizon_s)
+            controller = tidal_controller(self.cluster, resource.namespace, spec, forecast, self.clock.now, load)
             entry = self.tidal[key] = _Tidal(resource.generation, spec, controller)
         try:
             entry.controller.reconcile()

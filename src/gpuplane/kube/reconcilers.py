@@ -1,5 +1,5 @@
 """The operator's reconcilers that act through any cluster port: the operator runs them on `KubeCluster`, the
-operator-parity run (`gpuplane.sim.operator_parity`) on `SimCluster` too, so both worlds take one decision path.
+operator-parity run (`gpuplane.report.operator_parity`) on `SimCluster` too, so both worlds take one decision path.
 
 - `apply_pool_plan`: label the nodes a `pools.plan_pools` plan moves (`gpuplane.io/pool`).
 - `ColocationDistributor`: which ColocationPolicy governs each node, written on the node as annotation
