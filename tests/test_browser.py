@@ -168,4 +168,7 @@ def test_a_shrunk_screenshot_keeps_its_size_in_a_palette(chromium: Chromium, pag
     with Image.open(small.path) as image:
         assert image.mode == "P"
         assert len(image.getcolors() or []) <= 16
-        assert image.convert("RGB").getpixel((399, 299)) == (200, 30, 30)  # the background survives
+        pixel = image.convert("RGB").getpixel((399, 299))
+        assert isinstance(pixel, tuple)
+        # the background survives, to within the palette's rounding (octree buckets: a level or two)
+        assert max(abs(a - b) for a, b in zip(pixel, (200, 30, 30), strict=True)) <= 4

@@ -172,7 +172,7 @@ def shrink_png(path: Path, colours: int = 256) -> Screenshot:
     fraction of the size): for screenshots kept in the repository."""
     with Image.open(path) as opened:
         image = opened.convert("RGB")
-    image.quantize(colors=colours, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+    image.quantize(colors=colours, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(path, optimize=True)
     return Screenshot(path, image.width, image.height, path.stat().st_size)
 
 
