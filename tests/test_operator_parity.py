@@ -80,3 +80,16 @@ def test_the_command_prints_the_figures_and_fails_on_a_difference(capsys: pytest
     assert main(["--hours", "1", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"decisions_compared"' in out and '"differences": []' in out
+
+
+def test_gpuplane_operator_parity_prints_the_result() -> None:
+    from typer import Typer
+    from typer.testing import CliRunner
+
+    from gpuplane.cli.operator_cmd import register
+
+    app = Typer()
+    register(app)
+    result = CliRunner().invoke(app, ["operator", "--parity"])
+    assert result.exit_code == 0, result.output
+    assert "decisions compared: 106" in result.output and "differences: 0" in result.output

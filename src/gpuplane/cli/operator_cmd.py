@@ -121,9 +121,23 @@ def register(app: typer.Typer) -> None:
             help="PromQL for one service's load in requests/s; $namespace and $service are substituted")
         ] = DEFAULT_LOAD_QUERY,
         prometheus_timeout: Annotated[float, typer.Option(min=0.001, help="seconds per Prometheus query")] = 2.0,
+        parity: Annotated[bool, typer.Option(
+            "--parity", help="instead of running: the operator against the local API server through a compressed "
+                             "day next to the simulator's controllers on the same inputs; print the decisions "
+                             "compared and the differences (exit 1 on a difference)")] = False,
+        parity_json: Annotated[bool, typer.Option("--json", help="with --parity: the result as JSON")] = False,
     ) -> None:
         """Run the controllers in-cluster with leader election on a Lease until Ctrl-C or SIGTERM."""
         import threading
+
+        if parity:
+            import json
+
+            from gpuplane.report.operator_parity import render, run_parity
+
+            result = run_parity()
+            print(json.dumps(result.to_dict(), indent=2) if parity_json else render(result))
+            raise typer.Exit(1 if result.differences else 0)
 
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
