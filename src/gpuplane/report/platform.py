@@ -327,11 +327,10 @@ def _paired_bars(ax: Axes, labels: Sequence[str], pairs: Sequence[tuple[float, f
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.25)
-    ax.legend(fontsize=7, loc="lower right")
 
 
 def _waits_and_costs(run: PlatformFigures, seed: int) -> str:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.7))
     classes = [c for c, _, _ in run.waits_p95]
     _paired_bars(left, classes, [(v / 60.0, p / 60.0) for _, v, p in run.waits_p95], lambda m: duration(60.0 * m))
     left.set_xscale("symlog", linthresh=1.0)
@@ -344,8 +343,10 @@ def _waits_and_costs(run: PlatformFigures, seed: int) -> str:
     right.set_xlabel("cost of the GPU-hours held ($, list prices)")
     right.set_title("Cost per team (training queues) and of inference", fontsize=9)
     right.margins(x=0.15)
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(f"Waits by class and cost per team (seed {seed})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     waits = comparison_table(("vanilla p95 (s)", "platform p95 (s)"),
                              [(cls, number(v, ",.0f"), number(p, ",.0f")) for cls, v, p in run.waits_p95])
     costs_table = comparison_table(("vanilla ($)", "platform ($)"), [
