@@ -21,6 +21,7 @@ from gpuplane.report.platform import (
     comparison_rows,
     duration,
     lent_nodes,
+    main,
     make_week,
     sections,
     write_week_report,
@@ -184,3 +185,17 @@ def test_a_real_quick_week_shows_its_own_figures_in_chromium(tmp_path: Path) -> 
                                                 f"{run.platform_inference_gpu_h:,.0f}")
     assert shown["utilisation tidal lending adds (platform over no-tidal)"][2] == "—"  # no ablation was run
     assert shot is not None and shot.width == 1100 and shot.height > 2000
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "days"], "write FIELD=VALUE"),
+    (["--set", "no_such_field=1"], "no_such_field"),
+    (["--set", "days=-1"], "days"),
+    (["--seeds", "3-1"], "runs backwards"),
+])
+def test_the_page_command_refuses_bad_settings_before_running(args: list[str], message: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

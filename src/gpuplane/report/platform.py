@@ -19,10 +19,12 @@ from typing import Any, cast
 
 import matplotlib.pyplot as plt
 import numpy as np
+import yaml
 from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from gpuplane.model import GpuplaneError
 from gpuplane.report.browser import Chromium, Screenshot, shrink_png
 from gpuplane.report.html import comparison_table, image, page, png, settings_table
 from gpuplane.sim.platform import SCENARIO, PlatformFigures, PlatformSettings
@@ -433,16 +435,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/platform-week"), help="folder for index.html")
     parser.add_argument("--png", type=Path, default=None, help="write a screenshot of the page here")
     parser.add_argument("--width", type=int, default=1100, help="the screenshot's width in pixels")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a settings field over the quick settings (repeatable), e.g. "
+                             "--set failure_rate_per_node_day=0.5")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {"ablation": not args.no_ablation}
     if args.days is not None:
         overrides["days"] = args.days
-    settings = with_overrides(PlatformSettings.model_validate(dict(SCENARIO.quick)), overrides)
+    for assignment in args.set:
+        field, sep, value = assignment.partition("=")
+        if not sep:
+            parser.error(f"--set {assignment!r}: write FIELD=VALUE")
+        overrides[field.strip()] = yaml.safe_load(value)
+    try:
+        settings = with_overrides(PlatformSettings.model_validate(dict(SCENARIO.quick)), overrides)
+        seeds = parse_seeds(args.seeds)
+    except GpuplaneError as exc:
+        parser.error(str(exc))
 
     def progress(label: str, done: int, total: int) -> None:
         print(f"{label} {done}/{total}", file=sys.stderr, flush=True)
 
-    sweep, path, shot = make_week(settings, parse_seeds(args.seeds), args.out, args.png, args.width, progress)
+    sweep, path, shot = make_week(settings, seeds, args.out, args.png, args.width, progress)
     print(SCENARIO.summary(_median(sweep)[0]))
     print(path)
     if shot is not None:
