@@ -5,13 +5,21 @@ and every report reads back as it was written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer import Typer
+from typer.testing import CliRunner
 
+from gpuplane.cli.node_reporter_cmd import register
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.health import HealthEvent
 from gpuplane.controllers.recovery import Evidence
@@ -27,7 +35,7 @@ from gpuplane.kube.node_reports import (
 )
 from gpuplane.model.failures import load_signature_library
 from gpuplane.node.health_checks import CheckResult
-from gpuplane.node.reporter import NodeReporter
+from gpuplane.node.reporter import Finding, NodeReporter, follow_command, follow_file
 
 XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=2417, GPU has fallen off the bus."
 XID_43 = "NVRM: Xid (PCI:0000:86:00): 43, pid=3112, name=python3, Ch 00000010"
@@ -166,3 +174,62 @@ def test_a_report_reads_back_as_written(line: str | None, xid: int | None, t: fl
     assert (back.kind, back.node, back.t, back.evidence, back.health_event, back.pod) == (
         kind, "gpu-1", t, report.evidence, health, pod)
     assert dict(back.verdict or {}) == {"signature": "s"}
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_followed_file_gives_its_new_lines_and_is_reopened_when_truncated(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("old line\n")
+    findings: queue.Queue[Finding] = queue.Queue()
+    stop = threading.Event()
+    thread = threading.Thread(target=follow_file, args=(log, findings, stop), kwargs={"poll_s": 0.01})
+    thread.start()
+    try:
+        time.sleep(0.05)
+        with log.open("a") as handle:
+            handle.write(f"{XID_79}\npartial")  # a line without its newline waits for it
+        wait_until(lambda: findings.qsize() == 1, "the new line")
+        assert findings.get().line == XID_79
+        log.write_text("after rotation\n")  # shorter than before: truncated, read from the start
+        wait_until(lambda: findings.qsize() == 1, "the line after rotation")
+        assert findings.get().line == "after rotation"
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_followed_command_is_a_child_process_whose_lines_are_findings() -> None:
+    findings: queue.Queue[Finding] = queue.Queue()
+    stop = threading.Event()
+    argv = [sys.executable, "-c", f"print({XID_79!r}); import time; time.sleep(30)"]
+    thread = threading.Thread(target=follow_command, args=(argv, findings, stop))
+    thread.start()
+    try:
+        wait_until(lambda: findings.qsize() == 1, "the child's line")
+        assert findings.get().line == XID_79
+    finally:
+        stop.set()  # terminates the child: the thread ends
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_gpuplane_node_reporter_once_posts_what_the_log_says(server: FakeApiServer, tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(f"boot ok\n{XID_79}\n{XID_43}\nstep 10 loss 1.0\n")
+    app = Typer()
+    register(app)  # its one command: Typer runs it as the app itself
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    result = CliRunner().invoke(app, ["--node-name", "gpu-7", "--follow", str(log), "--once",
+                                      "--kubeconfig", str(kubeconfig)])
+    assert result.exit_code == 0, result.output
+    assert "gpu-7: 1 report(s) posted" in result.output  # Xid 79 only: Xid 43 is tolerated, the rest unmatched
+    assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
+    missing = CliRunner().invoke(app, ["--once", "--node-name", "n", "--check", "smart"])
+    assert missing.exit_code == 2 and "unknown" in missing.output

@@ -13,6 +13,7 @@ import typer
 from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm
 
 if TYPE_CHECKING:
+    from gpuplane.kube.api import RestKubeApi
     from gpuplane.scaler.prometheus import PrometheusClient
 
 DEFAULT_LOAD_QUERY = 'sum(rate(gpuplane_requests_total{namespace="$namespace",service="$service"}[1m]))'
@@ -35,6 +36,18 @@ class PrometheusLoad:
 
     def __call__(self, namespace: str, service: str) -> float:
         return self.client.query(self.query(namespace, service))
+
+
+def connect(kubeconfig: Path | None) -> RestKubeApi:
+    """The API client from `--kubeconfig` (None: in-cluster, else ~/.kube/config); exits 2 when there is none."""
+    from gpuplane.kube.api import KubeConfigError, connect_api
+
+    if kubeconfig is not None and not kubeconfig.is_file():
+        fail(f"--kubeconfig {kubeconfig}: no such file")
+    try:
+        return connect_api(str(kubeconfig) if kubeconfig else None)
+    except KubeConfigError as exc:
+        fail(f"no cluster to talk to: {exc}")
 
 
 def register(app: typer.Typer) -> None:
@@ -139,7 +152,6 @@ def register(app: typer.Typer) -> None:
             print(json.dumps(result.to_dict(), indent=2) if parity_json else render(result))
             raise typer.Exit(1 if result.differences else 0)
 
-        from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
         from gpuplane.kube.operator import HealthServer, run_operator
         from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError
@@ -160,12 +172,7 @@ def register(app: typer.Typer) -> None:
             config = LeaseConfig(namespace, lease_name, holder, lease_duration, renew_deadline, retry_period)
         except LeaseConfigError as exc:
             fail(str(exc))
-        if kubeconfig is not None and not kubeconfig.is_file():
-            fail(f"--kubeconfig {kubeconfig}: no such file")
-        try:
-            api = connect_api(str(kubeconfig) if kubeconfig else None)
-        except KubeConfigError as exc:
-            fail(f"no cluster to talk to: {exc}")
+        api = connect(kubeconfig)
         log_to_stderr()
         stop = threading.Event()
         health = None

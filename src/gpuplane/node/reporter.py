@@ -8,18 +8,23 @@ posted when it fails, or when it passes after a failure was posted (the operator
 passing checks on a healthy node post nothing. A post the API refuses or cannot take is kept and retried
 before the next one (`flush`), oldest first, up to `backlog` Events.
 
-`run_reporter` is the loop the node agent runs in a thread: it drains a queue of findings (log lines from the
-container log follower, Xids from NVML's event set) and runs the check tier every `check_period_s`.
+`run_reporter` is the loop the node agent runs in a thread: it drains a queue of findings and runs the check tier
+every `check_period_s`. Findings come from `follow_file` (a log file, e.g. the kernel log whose `NVRM: Xid` lines
+the classifier reads, followed as `tail -F` does) and `follow_command` (a child process's output, e.g.
+`dmesg --follow`), each on its own thread.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpuplane.controllers.classifier import FailureClassifier, SignatureMatch
 from gpuplane.controllers.health import HealthEvent
@@ -149,3 +154,74 @@ def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: t
             reporter.flush()
             continue
         reporter.feed(finding)
+
+
+def follow_file(path: Path, findings: queue.Queue[Finding], stop: threading.Event, *, from_start: bool = False,
+                poll_s: float = 0.5) -> None:
+    """Put each new line of `path` on `findings` until `stop` (from its end, or `from_start`); a file that is
+    truncated or replaced (log rotation) is reopened from its start. A missing file is waited for."""
+    position: int | None = None if not from_start else 0
+    inode: int | None = None
+    while not stop.is_set():
+        try:
+            stat = path.stat()
+        except OSError:
+            stop.wait(poll_s)
+            continue
+        if inode is not None and (stat.st_ino != inode or stat.st_size < (position or 0)):
+            position = 0  # rotated or truncated
+        inode = stat.st_ino
+        if position is None:
+            position = stat.st_size
+        if stat.st_size > position:
+            with path.open("rb") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+            complete = chunk.rfind(b"\n") + 1
+            for raw in chunk[:complete].splitlines():
+                findings.put(Finding(line=raw.decode("utf-8", "replace")))
+            position += complete
+        stop.wait(poll_s)
+
+
+def follow_command(argv: Sequence[str], findings: queue.Queue[Finding], stop: threading.Event, *,
+                   restart_s: float = 5.0) -> None:
+    """Run `argv` as a child process and put each line it prints on `findings`; restart it when it ends, until
+    `stop` (which terminates it)."""
+    while not stop.is_set():
+        try:
+            child = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            log.warning("%s: cannot start: %s", argv[0], exc)
+            stop.wait(restart_s)
+            continue
+        watcher = threading.Thread(target=_terminate_on_stop, args=(child, stop), daemon=True)
+        watcher.start()
+        assert child.stdout is not None
+        for raw in child.stdout:
+            findings.put(Finding(line=raw.decode("utf-8", "replace").rstrip("\n")))
+        child.wait()
+        if not stop.is_set():
+            log.warning("%s ended (exit %s); restarting in %g s", argv[0], child.returncode, restart_s)
+            stop.wait(restart_s)
+
+
+def _terminate_on_stop(child: subprocess.Popen[bytes], stop: threading.Event) -> None:
+    while child.poll() is None:
+        if stop.wait(0.2):
+            child.terminate()
+            return
+
+
+def drain(reporter: NodeReporter, findings: queue.Queue[Finding], *, settle_s: float = 0.0) -> int:
+    """Feed every finding queued now (waiting `settle_s` for stragglers first); returns how many."""
+    if settle_s:
+        time.sleep(settle_s)
+    count = 0
+    while True:
+        try:
+            finding = findings.get_nowait()
+        except queue.Empty:
+            return count
+        reporter.feed(finding)
+        count += 1

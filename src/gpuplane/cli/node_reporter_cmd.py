@@ -1,0 +1,111 @@
+"""`gpuplane node-reporter`: the node agent's failure and health reports, as core/v1 Events for the operator."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from gpuplane.cli.common import fail, log_to_stderr, on_sigterm
+from gpuplane.cli.operator_cmd import connect
+
+if TYPE_CHECKING:
+    from gpuplane.node.health_checks import HealthCheck
+
+CHECKS = ("nvml", "dcgm")
+
+
+def _checks(names: list[str]) -> list[HealthCheck]:
+    from gpuplane.node.health_checks import DcgmDiagCheck, NvmlHealthReader, NvmlSanityCheck
+
+    made: list[HealthCheck] = []
+    for name in names:
+        if name == "nvml":
+            made.append(NvmlSanityCheck(NvmlHealthReader()))
+        elif name == "dcgm":
+            made.append(DcgmDiagCheck())
+        else:
+            fail(f"--check {name}: unknown (use {', '.join(CHECKS)})")
+    return made
+
+
+def register(app: typer.Typer) -> None:
+    """Add `node-reporter` to `app`."""
+
+    @app.command("node-reporter")
+    def node_reporter(
+        node_name: Annotated[str | None, typer.Option(help="this node [default: $NODE_NAME]")] = None,
+        follow: Annotated[list[Path] | None, typer.Option(
+            "--follow", help="a log file to classify line by line (repeatable), e.g. /var/log/kern.log for the "
+                             "driver's NVRM: Xid lines")] = None,
+        command: Annotated[str | None, typer.Option(
+            help="a command whose output to classify, run as a child process and restarted when it ends, "
+                 "e.g. 'dmesg --follow'")] = None,
+        check: Annotated[list[str] | None, typer.Option(
+            "--check", help=f"a health check tier to run every --check-period ({', '.join(CHECKS)}; repeatable)")
+        ] = None,
+        check_period: Annotated[float, typer.Option(min=1.0, help="seconds between check tiers")] = 300.0,
+        signatures: Annotated[list[Path] | None, typer.Option(
+            "--signatures", help="a signature file on top of the bundled library (repeatable)")] = None,
+        from_start: Annotated[bool, typer.Option(help="read the followed files from their start")] = False,
+        once: Annotated[bool, typer.Option(
+            "--once", help="read the followed files to their end, run the checks once, post, and exit")] = False,
+        kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
+                              ] = None,
+    ) -> None:
+        """Classify this node's logs and run its health checks; post what the operator must act on as Events."""
+        from gpuplane.controllers.classifier import FailureClassifier
+        from gpuplane.model import GpuplaneError
+        from gpuplane.model.failures import load_signature_library
+        from gpuplane.node.health_checks import run_checks
+        from gpuplane.node.reporter import Finding, NodeReporter, drain, follow_command, follow_file, run_reporter
+        from gpuplane.port import WallClock
+
+        node = node_name or os.environ.get("NODE_NAME")
+        if not node:
+            fail("no node name: pass --node-name or set $NODE_NAME")
+        if once and command is not None:
+            fail("--once reads files only; --command runs until stopped")
+        try:
+            library = load_signature_library(extra=signatures or ())
+        except GpuplaneError as exc:
+            fail(str(exc))
+        checks = _checks(check or [])
+        api = connect(kubeconfig)
+        log_to_stderr()
+        reporter = NodeReporter(api, node, FailureClassifier(library), WallClock().now,
+                                instance=os.environ.get("POD_NAME"))
+        findings: queue.Queue[Finding] = queue.Queue()
+        stop = threading.Event()
+        if once:
+            for path in follow or []:
+                if not path.is_file():
+                    fail(f"--follow {path}: no such file")
+                for line in path.read_text(errors="replace").splitlines():
+                    findings.put(Finding(line=line))
+            drain(reporter, findings)
+            if checks:
+                reporter.checks(run_checks(checks))
+            if not reporter.flush():
+                fail(f"{len(reporter.pending)} report(s) could not be posted")
+            print(f"{node}: {len(reporter.posted)} report(s) posted")
+            return
+        threads = [threading.Thread(target=follow_file, args=(path, findings, stop),
+                                    kwargs={"from_start": from_start}, daemon=True) for path in follow or []]
+        if command is not None:
+            threads.append(threading.Thread(target=follow_command, args=(command.split(), findings, stop),
+                                            daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            with on_sigterm(stop.set):
+                run_reporter(reporter, findings, stop, checks=checks, check_period_s=check_period)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stop.set()
+            reporter.flush()
