@@ -8,11 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuplane.controllers.health import (
     HEALTH_LABEL,
     QUARANTINE_TAINT,
     HealthEvent,
+    HealthPolicy,
     NodeHealth,
     NodeHealthController,
 )
@@ -194,3 +197,21 @@ def test_node_health_states_reach_the_node(case: HealthCase) -> None:
     assert (QUARANTINE_TAINT in spec.taints) is case.tainted
     assert [n for _, n, _ in health.isolations] == ["node-3"] * case.isolations
     assert sum(QUARANTINE_TAINT in n.spec.taints for n in rig.cluster.list_nodes()) == int(case.tainted)
+
+
+@settings(max_examples=80, deadline=None)
+@given(events=st.lists(st.sampled_from(list(HealthEvent)), max_size=12))
+def test_a_node_is_tainted_exactly_while_the_book_keeps_it_out_of_any_job(events: list[HealthEvent]) -> None:
+    rig = Rig()
+    rig.book.policy = HealthPolicy(probation_s=0.0)  # probation may pass at once
+    health = NodeHealthController(rig.cluster, rig.book, rig.loop.now)
+    for event in events:
+        health.apply("node-1", event)
+        spec = next(n.spec for n in rig.cluster.list_nodes() if n.name == "node-1")
+        state = rig.book.state("node-1")
+        # healthy: no taint, no label; any other state: tainted (probation keeps the repair's taint), labelled
+        assert (QUARANTINE_TAINT in spec.taints) is (state is not NodeHealth.HEALTHY)
+        assert dict(spec.labels).get(HEALTH_LABEL) == (None if state is NodeHealth.HEALTHY else state.value)
+    entered = sum(1 for r in rig.book.history if r.to_state is NodeHealth.QUARANTINED
+                  and r.from_state is not NodeHealth.QUARANTINED)
+    assert len(health.isolations) == entered  # one isolation recorded per entry into quarantine
