@@ -22,7 +22,7 @@ TIMING_KEYS = {"decisions_per_s", "wall_s", "report"}
 
 
 def _simulate(tmp: Path, *args: str) -> dict[str, object]:
-    result = runner.invoke(app, ["simulate", "--json", "--out", str(tmp), *args])
+    result = runner.invoke(app, ["replay", "--json", "--out", str(tmp), *args])
     assert result.exit_code == 0, result.output
     data: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
     return data
@@ -124,7 +124,7 @@ def _write_pods(path: Path, rows: list[str]) -> Path:
 def test_bad_row_stops_with_file_line_and_column(tmp_path: Path) -> None:
     pods = _write_pods(tmp_path / "pods.csv", ["p0,1000,1024,1,500,,LS,Running,0,10,0",
                                                "p1,1000,1024,2,500,,LS,Running,0,10,0"])
-    result = runner.invoke(app, ["simulate", "--trace", str(pods), "--out", str(tmp_path)])
+    result = runner.invoke(app, ["replay", "--trace", str(pods), "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert f"{pods}:3: gpu_milli" in " ".join(result.output.split())
 
@@ -148,7 +148,7 @@ def test_timed_mode_reports_waits(tmp_path: Path) -> None:
 
 
 def test_unknown_policy_is_a_clear_error(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["simulate", "--node-policy", "tetris", "--out", str(tmp_path)])
+    result = runner.invoke(app, ["replay", "--node-policy", "tetris", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "unknown node policy 'tetris'" in result.output
 
@@ -192,7 +192,7 @@ def test_oversold_dev_pool_places_more_memory_than_exists(tmp_path: Path) -> Non
 def test_pools_file_errors_name_the_field(tmp_path: Path) -> None:
     pools = tmp_path / "pools.yaml"
     pools.write_text("pools:\n  dev: {memory_oversell: 0.5}\n")
-    result = runner.invoke(app, ["simulate", "--pools", str(pools), "--out", str(tmp_path)])
+    result = runner.invoke(app, ["replay", "--pools", str(pools), "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "pools.dev.memory_oversell" in " ".join(result.output.split())
 

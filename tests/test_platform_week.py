@@ -3,12 +3,16 @@ ablation flags, and no card over-allocated at any sample."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
+from gpuplane.cli.main import app
 from gpuplane.model import Fraction, WholeCards, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, TRAINING
 from gpuplane.sim.platform import CAPABILITIES, SCENARIO, PlatformSettings, build_fleet, run_arm
@@ -141,7 +145,6 @@ def test_no_card_is_over_allocated_at_any_sample(seed: int, vgpu: bool, binpack:
 def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
     """The quick settings run no ablation arms: their figures are NaN (absent), never a made-up 0, and the
     sweep's JSON and tables still come out."""
-    import json
     import math
 
     from gpuplane.sim.scenario.sweep import run_seeds
@@ -150,7 +153,10 @@ def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
     run = sweep.runs[0]
     assert math.isnan(run.no_tidal_fleet_util_pct)
     assert not math.isnan(run.platform_fleet_util_pct)
-    json.dumps(sweep.to_json())
+    data = sweep.to_json()
+    json.dumps(data, allow_nan=False)  # plain JSON: an absent figure is null, not NaN
+    assert data["figures"]["no_tidal_fleet_util_pct"]["median"] is None
+    assert data["runs"][0]["no_tidal_fleet_util_pct"] is None
     assert [t.title for t in SCENARIO.tables(run)][1:] == ["beside the reports' figures",
                                                          "ablation: the platform with one capability off"]
     from gpuplane.report.platform import sections
@@ -159,4 +165,38 @@ def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
     # utilisation and allocation per pool, the tide, waits and costs, the tables (no ablation bars without it)
     assert len(page) == 5
     assert sum("<img" in part for part in page) == 3
-    assert "Waits by class" in page[3] and "beside the reports" in page[4]
+    assert "The comparison" in page[0] and "Waits by class" in page[3] and "Not run" in page[4]
+
+
+@pytest.mark.parametrize(("recovery", "delay_s"), [(True, 420.0), (False, 4800.0)])
+def test_a_fault_hangs_the_gang_until_recovery_restarts_it(recovery: bool, delay_s: float) -> None:
+    """At 2 faults per training node-day on 12 training nodes, a quarter day draws about 6 faults. A fault on a
+    node that holds a running gang hangs it; it is restarted `recovery_s` (420 s) after with recovery on and
+    `manual_recovery_s` (4,800 s) after by hand: each recovery is a fault's time plus that delay."""
+    s = PlatformSettings(**{**TINY, "days": 0.25, "warmup_hours": 0.5, "failure_rate_per_node_day": 2.0,
+                            "recovery": recovery, "seed": 2})
+    run = run_arm(s)
+    assert len(run.failures) >= 2
+    assert run.recoveries
+    for hour in run.recoveries:
+        assert min(abs(hour - f - delay_s / 3600.0) for f in run.failures) < 1e-9
+    assert run.ledger.lost_gpu_h() > 0  # work since the last save was lost to the fault
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--trace", "gpushare40"), ("--mode", "timed"), ("--policy", "fgd"),
+                                             ("--snapshot", "snap")])
+def test_simulate_points_a_replay_flag_to_replay(flag: str, value: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["simulate", flag, value, "--out", str(tmp_path)])
+    assert result.exit_code != 0
+    assert f"gpuplane replay {flag}" in result.output
+    assert not list(tmp_path.iterdir())  # it failed before running anything
+
+
+def test_simulate_runs_the_platform_week(tmp_path: Path) -> None:
+    sets = [arg for key, value in TINY.items() for arg in ("--set", f"{key}={str(value).lower()}")]
+    result = CliRunner().invoke(app, ["simulate", *sets, "--seeds", "2", "--json", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["scenario"] == "platform-week"
+    assert data["seeds"] == [2]
+    assert (tmp_path / "platform-week.html").exists()

@@ -244,8 +244,42 @@ def _timed_config(load: float, arrival: str, hours: float) -> TimedConfig:
         raise GpuplaneError(str(exc)) from None
 
 
+WEEK_SEEDS = "1-10"
+
+
 @app.command()
 def simulate(
+    scenario_file: Annotated[Path | None, typer.Option(help="the week's settings (YAML, any field of "
+                                                       "PlatformSettings)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a settings field=value (repeatable), e.g. "
+                                                   "--set a100_nodes=50 --set ablation=false")] = None,
+    seeds: Annotated[str, typer.Option(help="seeds to run: 1-10, 3, or 1,4,9; figures are medians over them")]
+        = WEEK_SEEDS,
+    days: Annotated[float | None, typer.Option(help="simulated days (default 7)")] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="directory for platform-week.html")] = Path("out"),
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    trace: Annotated[str | None, typer.Option(hidden=True)] = None,
+    mode: Annotated[str | None, typer.Option(hidden=True)] = None,
+    node_policy: Annotated[str | None, typer.Option("--node-policy", "--policy", hidden=True)] = None,
+    snapshot: Annotated[Path | None, typer.Option(hidden=True)] = None,
+    scenario: Annotated[str | None, typer.Option(hidden=True)] = None,
+) -> None:
+    """The platform week (the main job): one heterogeneous fleet for 7 days with every capability on, against
+    vanilla Kubernetes and with each capability off in turn, on the same workload and seeds. Prints the
+    comparison with the reports' figures and the ablation, and writes DIR/platform-week.html."""
+    if scenario is not None:
+        _fail(f"--scenario moved: run `gpuplane scenario {scenario}` (with --set, --scenario-file and --seeds)")
+    for flag, given in (("--trace", trace), ("--mode", mode), ("--policy", node_policy), ("--snapshot", snapshot)):
+        if given is not None:
+            _fail(f"{flag}: `gpuplane simulate` runs the platform week; a trace replay or a snapshot what-if is "
+                  f"`gpuplane replay {flag} …` (the same options as before)")
+    assignments = [*(set_ or []), *([f"days={days}"] if days is not None else [])]
+    scenario_cmd("platform-week", scenario_file=scenario_file, set_=assignments, seeds=seeds, out_dir=out_dir,
+                 as_json=as_json)
+
+
+@app.command()
+def replay(
     trace: TraceOpt = "default",
     nodes: NodesOpt = None,
     pools: PoolsOpt = None,
@@ -269,25 +303,20 @@ def simulate(
     load: LoadOpt = 0.9,
     arrival: ArrivalOpt = "poisson",
     hours: Annotated[float, typer.Option(help="timed mode: arrival horizon in virtual hours")] = 8.0,
-    scenario: Annotated[str | None, typer.Option(
-        help="run a scenario instead of a plain replay: training-backfill or tidal")] = None,
-    scenario_file: Annotated[Path | None, typer.Option(help="scenario parameters (YAML, any field)")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="scenario field=value (repeatable), "
-                                                   "e.g. --set normal_load=0.8")] = None,
-    days: Annotated[float | None, typer.Option(help="scenario: virtual days to simulate")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="--snapshot: load_scale=…, mean_lifetime_s=… "
+                                                   "(repeatable)")] = None,
     snapshot: Annotated[Path | None, typer.Option(help=(
         "what-if: replay a `gpuplane snapshot --out` directory (or a kubectl dump): its running pods in place, its "
         "pending pods, then --hours of arrivals drawn from its pods (--set load_scale=…, mean_lifetime_s=…)"))] = None,
     seeds: Annotated[str | None, typer.Option(help="--snapshot: replay these seeds (1-10) and show medians with "
                                                    "their range")] = None,
 ) -> None:
-    """Replay a trace on the simulated cluster, print a summary and write DIR/report.html."""
+    """Replay a trace on the simulated cluster (fill or timed), print a summary and write DIR/report.html; with
+    --snapshot, replay a real cluster's snapshot under policies (what-if)."""
     if snapshot is not None:
         snapshot_cmd.simulate_snapshot(snapshot, node_policy or "binpack", compare or [], seed, hours, set_ or [],
                                        as_json, seeds)
         return
-    if scenario is not None:
-        _fail(f"--scenario moved: run `gpuplane scenario {scenario}` (with --set, --scenario-file and --seeds)")
     node_policy = node_policy or "binpack"
     seed = 42 if seed is None else seed
     try:

@@ -25,6 +25,7 @@ REPORT_MODULES: dict[str, str] = {
     "autoscale": "gpuplane.report.autoscale",
     "training-backfill": "gpuplane.report.backfill",
     "defrag": "gpuplane.report.defrag",
+    "platform-week": "gpuplane.report.platform",
 }
 """Where each scenario's own plots come from: the module's `sections(sweep)` returns HTML fragments."""
 

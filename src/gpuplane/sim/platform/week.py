@@ -72,7 +72,7 @@ class PlatformError(RuntimeError):
     pass
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Task:
     """A job of one or more pods (a gang, a batch or near-line pod, a dev box)."""
 

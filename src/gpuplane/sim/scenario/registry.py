@@ -15,6 +15,7 @@ _MODULES: dict[str, str] = {
     "autoscale": "gpuplane.sim.autoscale",
     "training-backfill": "gpuplane.sim.backfill",
     "defrag": "gpuplane.sim.defrag",
+    "platform-week": "gpuplane.sim.platform",
 }
 
 

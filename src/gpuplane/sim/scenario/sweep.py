@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Sequence
@@ -93,7 +94,8 @@ class Sweep(Generic[S, F]):
         return self.runs[ranked[(len(ranked) - 1) // 2]]
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "seeds": list(self.seeds),
+        """Plain JSON: a figure a run did not measure (NaN, e.g. an ablation arm not run) is null."""
+        data: dict[str, Any] = _no_nan({"scenario": self.scenario, "seeds": list(self.seeds),
                 "settings": self.settings.model_dump(mode="json"),
                 "figures": {name: {"median": s.median, "q1": s.q1, "q3": s.q3, "min": s.low, "max": s.high}
                             for name, s in self.spreads.items()},
@@ -101,7 +103,18 @@ class Sweep(Generic[S, F]):
                            "median": g.value, "met": g.met} for g in self.goals],
                 "goals_met": self.goals_met,
                 "runs": [{"seed": seed} | run.model_dump(mode="json")
-                         for seed, run in zip(self.seeds, self.runs, strict=True)]}
+                         for seed, run in zip(self.seeds, self.runs, strict=True)]})
+        return data
+
+
+def _no_nan(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
 
 
 def summarise(scenario: Scenario[S, F], settings: S, seeds: Sequence[int], runs: Sequence[F]) -> Sweep[S, F]:
