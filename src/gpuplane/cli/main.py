@@ -1030,7 +1030,7 @@ def scaler(
 
 def _register_kube_commands() -> None:
     """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
-    from gpuplane.cli import device_plugin_cmd, extender_cmd, operator_cmd, scheduler_cmd
+    from gpuplane.cli import device_plugin_cmd, extender_cmd, node_reporter_cmd, operator_cmd, scheduler_cmd
 
     snapshot_cmd.register(app)
     classify_cmd.register(app)
@@ -1038,6 +1038,7 @@ def _register_kube_commands() -> None:
     device_plugin_cmd.register(app)
     extender_cmd.register(app)
     operator_cmd.register(app)
+    node_reporter_cmd.register(app)
     scheduler_cmd.register(app)
 
 
