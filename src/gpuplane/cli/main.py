@@ -245,6 +245,7 @@ def _timed_config(load: float, arrival: str, hours: float) -> TimedConfig:
 
 
 WEEK_SEEDS = "1-10"
+JobsOpt = Annotated[int, typer.Option(help="run the seeds in this many worker processes (the figures are the same)")]
 
 
 @app.command()
@@ -258,6 +259,7 @@ def simulate(
     days: Annotated[float | None, typer.Option(help="simulated days (default 7)")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="directory for platform-week.html")] = Path("out"),
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    jobs: JobsOpt = 1,
     trace: Annotated[str | None, typer.Option(hidden=True)] = None,
     mode: Annotated[str | None, typer.Option(hidden=True)] = None,
     node_policy: Annotated[str | None, typer.Option("--node-policy", "--policy", hidden=True)] = None,
@@ -275,7 +277,7 @@ def simulate(
                   f"`gpuplane replay {flag} …` (the same options as before)")
     assignments = [*(set_ or []), *([f"days={days}"] if days is not None else [])]
     scenario_cmd("platform-week", scenario_file=scenario_file, set_=assignments, seeds=seeds, out_dir=out_dir,
-                 as_json=as_json)
+                 as_json=as_json, jobs=jobs)
 
 
 @app.command()
@@ -361,6 +363,7 @@ def scenario_cmd(
         = "1-10",
     out_dir: Annotated[Path, typer.Option("--out", help="directory for NAME.html")] = Path("out"),
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
+    jobs: JobsOpt = 1,
 ) -> None:
     """Run a scenario over seeds: every figure as a median with its spread, goals judged on the median."""
     from gpuplane.cli.scenario_cmd import print_sweep, run_scenario_command, scenario_settings, sweep_json
@@ -369,7 +372,8 @@ def scenario_cmd(
     try:
         scenario = get_scenario(name)
         settings = scenario_settings(scenario.settings, scenario_file, set_ or [])
-        sweep, report, wall_s = run_scenario_command(scenario, settings, parse_seeds(seeds), out_dir, err, as_json)
+        sweep, report, wall_s = run_scenario_command(scenario, settings, parse_seeds(seeds), out_dir, err, as_json,
+                                                     jobs)
     except GpuplaneError as exc:
         _fail(str(exc))
     if as_json:

@@ -98,14 +98,14 @@ def print_sweep(out: Console, scenario: Scenario[Any, Any], sweep: Sweep[Any, An
 
 
 def run_scenario_command(scenario: Scenario[Any, Any], settings: BaseModel, seeds: Sequence[int], out_dir: Path,
-                         err: Console, quiet: bool) -> tuple[Sweep[Any, Any], Path, float]:
+                         err: Console, quiet: bool, jobs: int = 1) -> tuple[Sweep[Any, Any], Path, float]:
     from gpuplane.report.scenario import write_scenario_report
     from gpuplane.sim.scenario import run_seeds
 
     started = time.perf_counter()
     bar, tick = progress_bar(scenario.name, err, quiet)
     with bar:
-        sweep = run_seeds(scenario, settings, seeds, tick)
+        sweep = run_seeds(scenario, settings, seeds, tick, jobs=jobs)
     wall_s = time.perf_counter() - started
     report = write_scenario_report(scenario, sweep, out_dir / f"{scenario.name}.html")
     return sweep, report, wall_s

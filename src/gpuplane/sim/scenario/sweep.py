@@ -6,6 +6,7 @@ import math
 import re
 import statistics
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Generic
 
@@ -135,14 +136,27 @@ def with_overrides(settings: S, overrides: dict[str, Any]) -> S:
 
 
 def run_seeds(scenario: Scenario[S, F], settings: S, seeds: Sequence[int],
-              progress: Progress = no_progress) -> Sweep[S, F]:
-    """Run `scenario` once per seed (the settings' own seed is replaced) and summarise."""
+              progress: Progress = no_progress, *, jobs: int = 1) -> Sweep[S, F]:
+    """Run `scenario` once per seed (the settings' own seed is replaced) and summarise. With `jobs` > 1 the
+    seeds run in that many worker processes (a run is a pure function of its settings, so the figures are the
+    same); progress then counts seeds only."""
     if not seeds:
         raise SeedsError("a sweep needs at least one seed")
+    if jobs < 1:
+        raise SeedsError(f"--jobs must be at least 1, got {jobs}")
+    each = [with_overrides(settings, {"seed": seed}) for seed in seeds]
     runs: list[F] = []
-    for done, seed in enumerate(seeds):
-        progress("seeds", done, len(seeds))
-        runs.append(scenario.run(with_overrides(settings, {"seed": seed}), progress))
+    if jobs == 1 or len(seeds) == 1:
+        for done, one in enumerate(each):
+            progress("seeds", done, len(seeds))
+            runs.append(scenario.run(one, progress))
+    else:
+        progress("seeds", 0, len(seeds))
+        with ProcessPoolExecutor(max_workers=min(jobs, len(seeds))) as pool:
+            futures = [pool.submit(scenario.run, one, no_progress) for one in each]
+            for done, _ in enumerate(as_completed(futures), start=1):
+                progress("seeds", done, len(seeds))
+            runs = [f.result() for f in futures]
     progress("seeds", len(seeds), len(seeds))
     return summarise(scenario, settings, seeds, runs)
 
