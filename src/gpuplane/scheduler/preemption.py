@@ -150,40 +150,21 @@ class Preemption:
     def _screen(self, pod: PodRequest, state: ClusterState, eligible: BoolArray, diagnosis: Diagnosis | None,
                 within: BoolArray | None) -> BoolArray:
         """Nodes where evicting every eligible pod could make room: an upper bound, vectorised."""
-        n, width = state.size, state.width
-        pods, shares = state.pod_table.pods, state.pod_table.shares
-        rows = np.flatnonzero(eligible)
-        nodes_of = pods.node[rows]
-        ok = np.bincount(nodes_of, minlength=n)[:n] > 0
+        n = state.size
+        freed = _Freed(state, eligible)
+        ok = freed.holders > 0
         if within is not None:
             ok &= within[:n]
         if diagnosis is not None and diagnosis.unresolvable:
             ok &= ~np.isin(diagnosis.reason_of, list(diagnosis.unresolvable))
-        cpu = state.cpu_free[:n] + np.bincount(nodes_of, pods.cpu[rows], minlength=n)[:n]
-        mem = state.mem_free[:n] + np.bincount(nodes_of, pods.mem[rows], minlength=n)[:n]
-        ok &= (cpu >= pod.cpu_milli) & (mem >= pod.memory_mib)
+        ok &= (freed.cpu >= pod.cpu_milli) & (freed.mem >= pod.memory_mib)
         gpu = pod.gpu
         if gpu is None or not ok.any():
             return ok
-        srows = np.flatnonzero(shares.live[: shares.count] & eligible[shares.pod[: shares.count]]
-                               if shares.count else np.zeros(0, np.bool_))
-        cells = shares.node[srows] * width + shares.card[srows]
-        size = n * width
-        freed_holders = np.bincount(cells, minlength=size)[:size].reshape(n, width)
-        kept = state.card_holders[:n] - freed_holders
-        valid = state.card_valid[:n]
         if isinstance(gpu, WholeCards):
-            usable = valid & (kept == 0) & ~state.card_mig_pinned[:n]
-            ok &= usable.sum(axis=1) >= gpu.count
+            ok &= freed.idle_cards().sum(axis=1) >= gpu.count
         elif isinstance(gpu, Fraction):
-            milli = state.card_milli_free[:n] + \
-                np.bincount(cells, shares.milli[srows], minlength=size)[:size].reshape(n, width)
-            memory = state.card_mem_free[:n] + \
-                np.bincount(cells, shares.mem[srows], minlength=size)[:size].reshape(n, width)
-            need_mem = state.card_mem_phys[:n] * gpu.memory_pct // 100 if gpu.memory_pct else gpu.memory_mib
-            plain = valid & ~state.card_mig_pinned[:n] & ~state.card_foreign[:n] \
-                & ~((state.card_mig[:n] | state.card_whole[:n]) & (kept > 0))
-            ok &= (plain & (milli >= gpu.compute_milli) & (memory >= need_mem)).sum(axis=1) >= gpu.count
+            ok &= freed.card_fits(gpu)[0].sum(axis=1) >= gpu.count
         elif isinstance(gpu, MigSlice):
             ok &= state.card_mig_allowed[:n].any(axis=1)
         return ok
@@ -277,3 +258,83 @@ def _only(size: int, node: int) -> BoolArray:
     mask[node] = True
     return mask
 
+
+
+UNBOUNDED = np.iinfo(np.int64).max // 4
+
+
+class _Freed:
+    """A node's resources if every eligible pod were evicted (free now plus what the eligible pods hold)."""
+
+    def __init__(self, state: ClusterState, eligible: BoolArray) -> None:
+        n, width = state.size, state.width
+        pods, shares = state.pod_table.pods, state.pod_table.shares
+        self.state = state
+        rows = np.flatnonzero(eligible)
+        nodes_of = pods.node[rows]
+        self.holders = np.bincount(nodes_of, minlength=n)[:n]
+        """Eligible pods per node."""
+        self.cpu = state.cpu_free[:n] + np.bincount(nodes_of, pods.cpu[rows], minlength=n)[:n].astype(np.int64)
+        self.mem = state.mem_free[:n] + np.bincount(nodes_of, pods.mem[rows], minlength=n)[:n].astype(np.int64)
+        self._srows = np.flatnonzero(shares.live[: shares.count] & eligible[shares.pod[: shares.count]]
+                                     if shares.count else np.zeros(0, np.bool_))
+        self._cells = shares.node[self._srows] * width + shares.card[self._srows]
+        size = n * width
+        self.kept = state.card_holders[:n] - np.bincount(self._cells, minlength=size)[:size].reshape(n, width)
+        """Holders per card that would stay."""
+
+    def idle_cards(self) -> BoolArray:
+        """Cards a whole-card pod could take."""
+        n = self.state.size
+        result: BoolArray = self.state.card_valid[:n] & (self.kept == 0) & ~self.state.card_mig_pinned[:n]
+        return result
+
+    def _per_card(self, weights: IntArray) -> IntArray:
+        n, width = self.state.size, self.state.width
+        summed = np.bincount(self._cells, weights, minlength=n * width)[: n * width].reshape(n, width)
+        result: IntArray = summed.astype(np.int64)
+        return result
+
+    def card_fits(self, gpu: Fraction) -> tuple[BoolArray, IntArray, IntArray, IntArray]:
+        """(cards that could take one share of `gpu`, their compute milli, memory and the memory it needs)."""
+        state, shares = self.state, self.state.pod_table.shares
+        n, width = state.size, state.width
+        milli = state.card_milli_free[:n] + self._per_card(shares.milli[self._srows])
+        memory = state.card_mem_free[:n] + self._per_card(shares.mem[self._srows])
+        need_mem = state.card_mem_phys[:n] * gpu.memory_pct // 100 if gpu.memory_pct else \
+            np.full((n, width), gpu.memory_mib, np.int64)
+        plain = state.card_valid[:n] & ~state.card_mig_pinned[:n] & ~state.card_foreign[:n] \
+            & ~((state.card_mig[:n] | state.card_whole[:n]) & (self.kept > 0))
+        fits: BoolArray = plain & (milli >= gpu.compute_milli) & (memory >= need_mem)
+        return fits, milli, memory, need_mem
+
+    def card_slots(self, gpu: Fraction) -> IntArray:
+        """Per card, how many shares of `gpu` it could hold (capped at 1,024 a card); 0 where none fits."""
+        fits, milli, memory, need_mem = self.card_fits(gpu)
+        slots = np.full(fits.shape, 1024, np.int64)
+        if gpu.compute_milli:
+            np.minimum(slots, milli // gpu.compute_milli, out=slots)
+        np.minimum(slots, np.where(need_mem > 0, memory // np.maximum(need_mem, 1), 1024), out=slots)
+        slots[~fits] = 0
+        return slots
+
+
+def room_after_evictions(state: ClusterState, eligible: BoolArray, pod: PodRequest) -> IntArray | None:
+    """Per node, an upper bound on how many pods of `pod`'s shape would fit if every `eligible` pod (a row mask
+    of `state.pod_table.pods`) were evicted: CPU, memory and cards only (the other filters only take nodes
+    away). None when no bound is known for the pod's GPU form (a MIG slice)."""
+    freed = _Freed(state, eligible)
+    room = np.full(state.size, UNBOUNDED, np.int64)
+    if pod.cpu_milli:
+        np.minimum(room, np.maximum(freed.cpu, 0) // pod.cpu_milli, out=room)
+    if pod.memory_mib:
+        np.minimum(room, np.maximum(freed.mem, 0) // pod.memory_mib, out=room)
+    gpu = pod.gpu
+    if isinstance(gpu, WholeCards):
+        if gpu.count:
+            np.minimum(room, freed.idle_cards().sum(axis=1) // gpu.count, out=room)
+    elif isinstance(gpu, Fraction):
+        np.minimum(room, freed.card_slots(gpu).sum(axis=1) // max(gpu.count, 1), out=room)
+    elif gpu is not None:
+        return None
+    return room

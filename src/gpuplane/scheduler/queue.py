@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from gpuplane.model import ClusterState, Fraction, MigSlice, PodRequest, WholeCards
 
@@ -68,6 +69,8 @@ class SchedulingQueue:
         """Distinct cards each pod of a fractional group takes a share of (HAMi's `gpu: N` with `gpumem`)."""
         self._group_unbounded_gpu = np.zeros(0, np.bool_)
         self._entry_group: dict[str, int] = {}
+        self._group_request: list[PodRequest] = []
+        """A pod of each group: its shape decides the node filters the group passes."""
 
     def __len__(self) -> int:
         return len(self._pods) + len(self._parked)
@@ -138,9 +141,11 @@ class SchedulingQueue:
             self._requeue(entry)
         return len(moved)
 
-    def activate_for_node(self, state: ClusterState, node: int, *, above_priority: int | None = None) -> int:
+    def activate_for_node(self, state: ClusterState, node: int, *, above_priority: int | None = None,
+                          filtered: bool = True) -> int:
         """Move back the parked pods that `node`'s free capacity could hold, in queue order (only pods of
-        priority above `above_priority` when given).
+        priority above `above_priority` when given; `filtered`: only pods the node's pool, taints, labels,
+        cordon and GPU model admit, `admits`).
 
         A vectorised bound per shape picks the shapes worth a look; then the heads of those shapes are
         taken in (priority, arrival) order against a running budget of the node's free capacity, and a
@@ -152,6 +157,8 @@ class SchedulingQueue:
         room = self._room(state, node, live)
         heads: list[tuple[int, int, int]] = []
         for group in live[room > 0]:
+            if filtered and not admits(state, self._group_request[group], node):
+                continue  # a node its unresolvable filters refuse: only a node event changes that
             head = self._head(int(group))
             if head is not None:
                 heads.append((head[0], head[1], int(group)))
@@ -221,6 +228,7 @@ class SchedulingQueue:
         group = len(self._group_heaps)
         self._group_of[key] = group
         self._group_heaps.append([])
+        self._group_request.append(request)
         gpu = request.gpu
         values = (
             request.cpu_milli,
@@ -253,6 +261,41 @@ class SchedulingQueue:
             entry.order = entry.seq
         self._pods[entry.request.name] = entry
         heapq.heappush(self._active, (-entry.request.priority, entry.order, entry.seq, entry.request.name))
+
+
+def admits(state: ClusterState, request: PodRequest, node: int) -> bool:
+    """Whether `node` passes the pod's unresolvable node filters (NodeFit's cordon, pool, taints, node affinity,
+    GPU model): the scalar form of `static_nodes`, for one node."""
+    if not state.schedulable[node] and not request.tolerates_unschedulable:
+        return False
+    if request.pools is not None and not state.pools_mask(request.pools)[node]:
+        return False
+    for mask in (state.taint_mask(request), state.affinity_mask(request)):
+        if mask is not None and not mask[node]:
+            return False
+    if request.gpu is not None:
+        model = int(state.model_idx[node])
+        if model < 0 or (request.models is not None and not state.model_allowed(request.models)[model]):
+            return False
+    return True
+
+
+def static_nodes(state: ClusterState, request: PodRequest) -> npt.NDArray[np.bool_]:
+    """The nodes that pass the pod's unresolvable node filters (`admits` on every node, vectorised): only a
+    node event changes them."""
+    n = state.size
+    mask = state.schedulable[:n].copy() if not request.tolerates_unschedulable else np.ones(n, np.bool_)
+    if request.pools is not None:
+        mask &= state.pools_mask(request.pools)[:n]
+    for extra in (state.taint_mask(request), state.affinity_mask(request)):
+        if extra is not None:
+            mask &= extra[:n]
+    if request.gpu is not None:
+        model_idx = state.model_idx[:n]
+        mask &= model_idx >= 0
+        if request.models is not None:
+            mask &= state.model_allowed(request.models)[model_idx]
+    return mask
 
 
 class _Budget:

@@ -42,8 +42,9 @@ from gpuplane.scheduler.preemption import (
     Victim,
     VictimOrder,
     VictimRules,
+    room_after_evictions,
 )
-from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue
+from gpuplane.scheduler.queue import QueuedPod, SchedulingQueue, shape_key, static_nodes
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ class SchedulingRules:
     max_candidates: int = 16
     """Candidate nodes a preemption tries in full, after the vectorised screen."""
     victim_order: VictimOrder = VictimOrder.FEWEST_FIRST
+    queueing_hints: bool = True
+    """Skip retries that cannot succeed, as kube-scheduler's QueueingHints do: a freed node wakes only the parked
+    pods its unresolvable filters admit; a backfill pod leaving does not wake the pods above the backfill
+    through the shadow (the capacity was theirs to take already); a gang is trial-placed only when an upper
+    bound on its room after every eviction it may make holds all its members (`Scheduler._gang_short`).
+    False: every wake-up retries (the flush, below, retries everything either way)."""
     flush_parked_every_s: float = 300.0
     """Every parked pod is tried again this often, whatever woke it or not (kube-scheduler's
     podMaxInUnschedulablePodsDuration): a safety net for capacity changes the wake-ups miss."""
@@ -123,6 +130,8 @@ class PreemptionStats:
     work_lost_gpu_s: float = 0.0
     gangs_placed: int = 0
     gangs_failed: int = 0
+    gangs_screened: int = 0
+    """Gang attempts refused by the capacity bound (`Scheduler._gang_short`) without a trial placement."""
 
 
 class Scheduler:
@@ -233,12 +242,23 @@ class Scheduler:
     def close(self) -> None:
         self._unsubscribe()
 
-    def _wake(self, node: int) -> None:
+    def _wake(self, node: int, *, shadow: bool = True) -> None:
         """Capacity freed on `node`: move back the parked pods it could now hold. Pods above the backfill
-        see the node as if backfill were not there (the shadow), so they are woken against it too."""
-        self.queue.activate_for_node(self.state, node)
-        if self.shadow is not None and self._backfill_priority is not None:
-            self.queue.activate_for_node(self.shadow, node, above_priority=self._backfill_priority)
+        see the node as if backfill were not there (the shadow), so they are woken against it too, unless
+        `shadow` is False (a backfill pod left: the shadow did not change, and for the pods above the backfill
+        the capacity it held was theirs to take already; what it freed in the cache wakes them as any pod)."""
+        hints = self.rules.queueing_hints
+        self.queue.activate_for_node(self.state, node, filtered=hints)
+        if (shadow or not hints) and self.shadow is not None and self._backfill_priority is not None:
+            self.queue.activate_for_node(self.shadow, node, above_priority=self._backfill_priority, filtered=hints)
+
+    def _node_changed(self, name: str) -> None:
+        """A node was added or changed (labels, taints, pool, cordon, capacity): with the hints, wake the parked
+        pods that node now admits and could hold (other nodes did not change); without, every parked pod."""
+        if self.rules.queueing_hints:
+            self._wake(self.state.node_index[name])
+        else:
+            self.queue.activate_all()
 
     def is_backfill(self, request: PodRequest) -> bool:
         return request.priority_class is not None and request.priority_class in self._backfill_classes
@@ -273,7 +293,7 @@ class Scheduler:
             self.state.add_node(event.node.spec)
             if self.shadow is not None:
                 self.shadow.add_node(event.node.spec)
-            self.queue.activate_all()
+            self._node_changed(event.node.spec.name)
         elif kind is EventKind.NODE_UPDATED and event.node is not None:
             spec = event.node.spec
             if spec.name not in self.state.node_index:
@@ -286,7 +306,7 @@ class Scheduler:
             except NodeSpecError:
                 self.resync()  # cards published or changed (the node agent's inventory): the lists show it now
                 return
-            self.queue.activate_all()
+            self._node_changed(spec.name)
         elif (kind is EventKind.NODE_REMOVED and event.node is not None
               and event.node.name in self.state.node_index):
             self.resync()
@@ -318,7 +338,7 @@ class Scheduler:
         binding = self.state.bindings.get(name)
         if binding is not None:
             self._release(name)
-            self._wake(binding.node)
+            self._wake(binding.node, shadow=not self.is_backfill(request))
             if request.queue is not None:
                 self._wake_queue(request.queue)
         waiting = self._victim_of.pop(name, None)
@@ -463,13 +483,19 @@ class Scheduler:
                 continue
             hint, entry.hint_node = entry.hint_node, -1
             self._gone.clear()
+            draws = self._draws()
             if entry.request.gang is not None:
-                for outcome in self._attempt_gang(entry):
+                gang_outcomes = self._attempt_gang(entry)
+                if gang_outcomes and _failed(gang_outcomes[0].decision):
+                    self._undraw(draws)
+                for outcome in gang_outcomes:
                     outcomes.append(outcome)
                     if on_outcome is not None:
                         on_outcome(outcome)
                 continue
             decision = self._attempt(entry)
+            if _failed(decision):
+                self._undraw(draws)
             if hint >= 0 and decision.node != hint:
                 recheck.add(hint)
             outcome = Outcome(entry.request, decision, entry.attempts, self.now() - entry.enqueued_at)
@@ -480,6 +506,14 @@ class Scheduler:
             if (not decision.status.ok and keep and entry.request.name not in self.state.bindings
                     and entry.request.name not in self._gone):
                 self.queue.park(entry)
+
+    def _draws(self) -> tuple[Mapping[str, object], Mapping[str, object]]:
+        return self.framework.rng.bit_generator.state, self._backfill_framework.rng.bit_generator.state
+
+    def _undraw(self, draws: tuple[Mapping[str, object], Mapping[str, object]]) -> None:
+        """Give back the tie-break draws of an attempt that failed: a failed attempt changes nothing, so an
+        attempt skipped because it could not succeed (a queueing hint, the gang bound) decides the same."""
+        self.framework.rng.bit_generator.state, self._backfill_framework.rng.bit_generator.state = draws
 
     def _attempt(self, entry: QueuedPod) -> Decision:
         pod = entry.request
@@ -928,13 +962,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ quotas
     def quota_usage(self) -> dict[str, int]:
-        """GPU milli held per queue in the cache (bound, assumed and nominated pods)."""
+        """GPU milli held per queue in the cache (bound, assumed and nominated pods); queues holding none are
+        left out."""
         table = self.state.pod_table
         rows = table.pods
         live = rows.live[: rows.count]
         sums = np.bincount(rows.queue[: rows.count][live], rows.gpu_milli[: rows.count][live],
                            minlength=len(table.queue_ids))
-        return {name: int(sums[qid]) for name, qid in table.queue_ids.items() if name is not None}
+        return {name: int(sums[qid]) for name, qid in table.queue_ids.items() if name is not None and sums[qid]}
 
 
     def quota_model_usage(self) -> dict[tuple[str, str], int]:
@@ -1071,8 +1106,12 @@ class Scheduler:
                     for e in members]
         del self._gangs[gang]
         models, kept = self._quota_scope(members[0].request, need)
+        short = self._gang_short(members, models) if kept is None and self.rules.queueing_hints else None
         if kept is not None:
             decision = Decision(Status.unschedulable(f"gang {gang}: {kept}"))
+        elif short is not None:
+            self.stats.gangs_screened += 1
+            decision = Decision(Status.unschedulable(f"gang {gang} does not fit whole: {short}"))
         else:
             decision = self._place_gang(members, models)
         if decision.status.ok or decision.status.code is Code.WAIT:
@@ -1141,6 +1180,51 @@ class Scheduler:
                     return decision, cleared
         return self._decide(pod, within, near)
 
+    def _gang_short(self, members: Sequence[QueuedPod], models: frozenset[str] | None) -> str | None:
+        """Why the gang cannot fit whole even if every pod it may preempt were gone, or None when it might (so
+        the trial placement is worth running). An upper bound per node on the members it could hold (CPU,
+        memory, cards; `preemption.room_after_evictions`) over the nodes the unresolvable filters and the
+        nominations leave the gang: when those rooms add up to fewer than its members, no trial can place it.
+        Sound because a trial only places members where a node's free capacity, or what its victims (eligible
+        pods, or the backfill past-backfill pods clear) free, holds them; members placed earlier in the trial
+        take room, never add it."""
+        requests = [_within_models(m.request, models) for m in members]
+        first = max(requests, key=lambda r: r.priority)
+        if any(r.queue != first.queue for r in requests):
+            return None
+        state = self.state
+        n = state.size
+        rows = state.pod_table.pods
+        if self.rules.preemption and first.preempts and rows.count:
+            eligible = self._victim_rules(first, []).eligible[: rows.count] & rows.live[: rows.count]
+            if self._past_backfill(first) and self._backfill_priority is not None:  # the backfill it clears
+                eligible = eligible | (rows.live[: rows.count]
+                                       & (rows.priority[: rows.count] <= self._backfill_priority))
+        else:
+            eligible = np.zeros(rows.count, np.bool_)
+        room = np.zeros(n, np.int64)
+        usable = np.zeros(n, np.bool_)
+        seen: set[object] = set()
+        for request in requests:
+            key = shape_key(request)
+            if key in seen:
+                continue
+            seen.add(key)
+            bound = room_after_evictions(state, eligible, request)
+            if bound is None:
+                return None
+            nodes = static_nodes(state, request)
+            np.maximum(room, np.where(nodes, bound, 0), out=room)
+            usable |= nodes
+        held = self._held(first)
+        if held is not None:
+            room[~held[:n]] = 0
+        total = int(np.minimum(room, len(requests)).sum())
+        if total >= len(requests):
+            return None
+        return (f"{len(requests)} members, room for at most {total} on the {int(usable.sum())} node(s) its filters "
+                f"leave it, even with every pod it may preempt gone")
+
     def _place_gang(self, members: list[QueuedPod], models: frozenset[str] | None = None) -> Decision:
         """Trial-place every member in the cache (preempting if allowed); commit all or undo all. `models`:
         the card models the gang's queue quota leaves it (None: any)."""
@@ -1186,6 +1270,11 @@ class Scheduler:
 
 
 _NO_MODEL_LEFT = "(no model within the queue quota)"
+
+
+def _failed(decision: Decision) -> bool:
+    """Whether an attempt ended with nothing reserved or bound (not placed, not nominated, not held)."""
+    return not decision.status.ok and decision.status.code is not Code.WAIT
 
 
 def _cap_name(quota: QueueQuota) -> str:
