@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from gpuplane.cli.main import app
+from gpuplane.controllers.health import QUARANTINE_TAINT
 from gpuplane.model import Fraction, WholeCards, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, TRAINING
 from gpuplane.sim.platform import CAPABILITIES, SCENARIO, PlatformSettings, build_fleet, run_arm
@@ -168,19 +169,33 @@ def test_a_sweep_without_the_ablation_reports_its_figures_as_absent() -> None:
     assert "The comparison" in page[0] and "Waits by class" in page[3] and "Not run" in page[4]
 
 
-@pytest.mark.parametrize(("recovery", "delay_s"), [(True, 420.0), (False, 4800.0)])
-def test_a_fault_hangs_the_gang_until_recovery_restarts_it(recovery: bool, delay_s: float) -> None:
-    """At 2 faults per training node-day on 12 training nodes, a quarter day draws about 6 faults. A fault on a
-    node that holds a running gang hangs it; it is restarted `recovery_s` (420 s) after with recovery on and
-    `manual_recovery_s` (4,800 s) after by hand: each recovery is a fault's time plus that delay."""
-    s = PlatformSettings(**{**TINY, "days": 0.25, "warmup_hours": 0.5, "failure_rate_per_node_day": 2.0,
-                            "recovery": recovery, "seed": 2})
-    run = run_arm(s)
-    assert len(run.failures) >= 2
-    assert run.recoveries
-    for hour in run.recoveries:
-        assert min(abs(hour - f - delay_s / 3600.0) for f in run.failures) < 1e-9
+FAULTY = {**TINY, "days": 0.25, "warmup_hours": 0.5, "failure_rate_per_node_day": 2.0, "seed": 2}
+
+
+def test_by_hand_a_fault_hangs_the_gang_for_the_manual_delay() -> None:
+    """At 2 faults per training node-day on 12 training nodes a quarter day draws about 6 faults. By hand, a
+    gang a fault hits holds its cards until a person restarts it `manual_recovery_s` (4,800 s) later."""
+    run = run_arm(PlatformSettings(**{**FAULTY, "recovery": False}))
+    assert len(run.failures) >= 2 and run.recoveries
+    assert run.recovery_delays_s == pytest.approx([4800.0] * len(run.recoveries))
+    assert not run.isolated  # nobody isolates: the faulty node is cordoned for its repair
     assert run.ledger.lost_gpu_h() > 0  # work since the last save was lost to the fault
+
+
+def test_with_recovery_the_controller_diagnoses_isolates_and_restarts() -> None:
+    """With recovery on, the production RecoveryController adopted every gang: its verdict comes after the
+    detection and diagnosis delays (10 s + 30 s, plus the 600 s NCCL timeout for a hang), far sooner than a
+    person's 4,800 s, and the nodes it isolates go through the health book's repair cycle."""
+    seen: list[World] = []
+    run = run_arm(PlatformSettings(**FAULTY), on_world=seen.append)
+    assert len(run.failures) >= 2 and run.recoveries
+    for delay_s in run.recovery_delays_s:
+        assert delay_s == pytest.approx(40.0) or delay_s == pytest.approx(640.0)
+    assert run.isolated  # persistent faults (87 % of the mix) get their node isolated
+    quarantined = {n.spec.name for n in seen[0].cluster.list_nodes()
+                   if any(t.key == QUARANTINE_TAINT.key for t in n.spec.taints)}
+    assert quarantined <= set(run.isolated)  # only the controller's isolations carry its taint
+    assert run.ledger.lost_gpu_h() > 0
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--trace", "gpushare40"), ("--mode", "timed"), ("--policy", "fgd"),

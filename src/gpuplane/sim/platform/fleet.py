@@ -74,8 +74,8 @@ class PlatformSettings(WorldSettings):
     training_busy: float = Field(default=0.9, ge=0, le=1, description="SM busy share of a training card")
     failure_rate_per_node_day: float = Field(default=0.004, ge=0, description="training-node faults (the "
                                              "training-faults scenario's fleet rate)")
-    recovery_s: float = Field(default=420.0, ge=0, description="fault to the gang resubmitted, recovery on: "
-                              "detection, classification, isolation, restart")
+    broken_refault_s: float = Field(default=1800.0, gt=0, description="a node left broken (not isolated) fails "
+                                    "the next gang placed on it after this long on average")
     manual_recovery_s: float = Field(default=4800.0, ge=0, description="the same by hand: notice (1,200 s) and "
                                      "diagnosis (3,600 s), the training-faults baseline's")
     repair_s: float = Field(default=7200.0, ge=0, description="a faulty node is out this long")
@@ -98,7 +98,8 @@ class PlatformSettings(WorldSettings):
     backfill: bool = Field(default=True, description="low-priority batch fills fragments")
     colocation: bool = Field(default=True, description="near-line pods share inference cards")
     vgpu: bool = Field(default=True, description="fractional cards and oversold dev memory (off: whole cards)")
-    recovery: bool = Field(default=True, description="RecoveryController-style recovery (off: by hand)")
+    recovery: bool = Field(default=True, description="the RecoveryController with the classifier and the health "
+                           "book (off: by hand)")
     binpack: bool = Field(default=True, description="gpuplane's binpack scoring (off: LeastAllocated spread)")
     ablation: bool = Field(default=True, description="also run the platform with each capability off in turn")
     price_per_gpu_h: dict[str, float] = Field(

@@ -11,8 +11,14 @@ admission, priority classes and team quotas). Every controller acts through the 
   night (with `tidal` off it runs with lending off, as the tidal scenario's baseline);
 - the production scheduler places everything, preempts low-priority batch and near-line pods for the
   pods above them, and holds team quotas;
-- faults on training nodes crash the gang there; recovery (on) restarts it after `recovery_s`, by hand
-  (off) after `manual_recovery_s`, during which the hung gang holds its cards.
+- faults on training nodes crash the gang there (a category from the training-faults scenario's mix; a
+  persistent one leaves the node broken until repaired). With recovery on, the production
+  `RecoveryController` has adopted every gang: the node agents' evidence (drawn by `sim.fault_streams` from
+  the signature library) reaches it after the detection and diagnosis delays, the classifier's verdict
+  isolates the nodes it blames (the health book's repair cycle, probation included), and the gang is
+  restarted (or, on a do-not-retry verdict, left to a person). A broken node it failed to isolate breaks the
+  next gang placed on it. By hand (off), the hung gang holds its cards for `manual_recovery_s` and the node
+  is out for `repair_s`.
 
 A capability that is off is what vanilla Kubernetes does instead (see `PlatformSettings.vanilla`).
 """
@@ -36,6 +42,9 @@ from gpuplane.controllers import (
     TidalController,
 )
 from gpuplane.controllers.autoscale import ScaledObjectScaler, ScaledObjectSpec
+from gpuplane.controllers.classifier import FailureClassifier
+from gpuplane.controllers.health import NodeHealthBook
+from gpuplane.controllers.recovery import AdoptedGang, CheckpointPlanner, RecoveryController
 from gpuplane.model import MILLI_PER_CARD, PodRequest, QoS, Toleration, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, ONLINE, TRAINING, default_priority_classes
 from gpuplane.model.quota import QueueQuota, Quotas
@@ -45,6 +54,7 @@ from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.scheduler import SchedulingRules
 from gpuplane.sim.autoscale import SimPrometheus
 from gpuplane.sim.engine import _Entry
+from gpuplane.sim.fault_streams import HANGS, PERSISTENT, StreamMaker
 from gpuplane.sim.platform.fleet import (
     DEV_POOL,
     INFERENCE_POOL,
@@ -60,8 +70,10 @@ from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, g
 from gpuplane.sim.scenario import DAY_S, CheckpointingJob, WorkLedger, build_world
 from gpuplane.sim.scenario.signal import DcgmSignal, SignalSettings
 from gpuplane.sim.scenario.world import World
+from gpuplane.sim.training_faults import TrainingFaultsSettings, bundled_library
 
 EVICTION_REASON = "gpuplane.io/eviction-reason"
+JOB_LABEL = "gpuplane.io/job"
 FAULT = "fault"
 PREEMPTED = "preempted"
 CLASSES = (ONLINE, TRAINING, DEV, BATCH_LOW)
@@ -88,6 +100,8 @@ class _Task:
     hung: bool = False
     finish: _Entry | None = None
     done: bool = False
+    hold_s: float = 0.0
+    """a person restarts it this long after its pods are gone (a do-not-retry verdict)"""
 
 
 @dataclass(slots=True)
@@ -115,6 +129,10 @@ class ArmRun:
     evictions: int = 0
     failures: list[float] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
+    recovery_delays_s: list[float] = field(default_factory=list)
+    """each restart: seconds from the fault to the restart decision"""
+    isolated: list[str] = field(default_factory=list)
+    """nodes the recovery controller isolated, in order"""
     jobs_done: int = 0
     loans: int = 0
     early_reclaims: int = 0
@@ -196,6 +214,18 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             cluster.scale(f"{svc.name}-stable", stable)
             cluster.scale(f"{svc.name}-tidal", static - stable)
 
+    # ---------------------------------------------------------------- recovery
+    recovery: RecoveryController | None = None
+    streams: StreamMaker | None = None
+    if s.recovery:
+        library = bundled_library()
+        streams = StreamMaker(library, TrainingFaultsSettings().streams())
+        recovery = RecoveryController(cluster, FailureClassifier(library),
+                                      NodeHealthBook(nodes=(n.name for n in nodes if n.pool == TRAINING_POOL)),
+                                      loop.now)
+    node_of: dict[str, str] = {}
+    """pod → the node it was bound to"""
+
     # ---------------------------------------------------------------- jobs
     tasks: dict[str, _Task] = {}
     task_of: dict[str, _Task] = {}
@@ -213,7 +243,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                  qos=task.request.qos, gang=base if task.size > 1 else None,
                                  gang_size=task.size if task.size > 1 else 0, queue=task.request.queue,
                                  pools=task.request.pools, tolerations=task.request.tolerations,
-                                 checkpoint_every_s=task.request.checkpoint_every_s)
+                                 checkpoint_every_s=task.request.checkpoint_every_s, labels=task.request.labels)
             task_of[member] = task
             status = cluster.create_pod(request)
             if not status.ok:
@@ -231,9 +261,12 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                                             gpus, save)
             request = PodRequest(name, cpu_milli=64_000, memory_mib=524_288, gpu=gpu_form(s, "A100-80GB",
                                  s.gpus_per_node * MILLI_PER_CARD), priority_class=TRAINING, qos=QoS.OFFLINE,
-                                 queue=team, pools=frozenset({TRAINING_POOL}),
+                                 queue=team, pools=frozenset({TRAINING_POOL}), labels=((JOB_LABEL, name),),
                                  tolerations=(Toleration(LOAN_TAINT.key),), checkpoint_every_s=s.checkpoint_every_s)
             task = _Task(kind, job, size, request, team)
+            if recovery is not None:
+                recovery.adopt(AdoptedGang(name, CheckpointPlanner(size, s.failure_rate_per_node_day),
+                                           label=(JOB_LABEL, name), nodes=size))
         elif kind == BATCH_LOW:
             work = float(np.clip(job_rng.exponential(s.batch_hours * 3600.0), 300.0, 4 * s.batch_hours * 3600.0))
             job = CheckpointingJob(name, work, 1.0, save)
@@ -277,6 +310,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         (run.ledger if task.kind == TRAINING else run.batch).completed(task.job)
         run.jobs_done += task.kind == TRAINING
         task.done = task.stopping = True
+        if recovery is not None and task.kind == TRAINING:
+            recovery.forget(task.request.name)
         for member in task.members:
             cluster.evict(member, grace_s=0.0, reason="completed")
 
@@ -286,6 +321,11 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         now = loop.now()
         task.job.start(now)
         task.finish = loop.call_at(task.job.finish_time(now), functools.partial(finish, task))
+        if task.kind == TRAINING:
+            on_broken = sorted({node_of[m] for m in task.members if node_of.get(m) in broken})
+            for node in on_broken:  # a node nobody isolated breaks again under load
+                loop.call_later(float(fault_rng.exponential(s.broken_refault_s)),
+                                functools.partial(fault, node, broken[node]))
 
     def stop(task: _Task, grace_s: float, cause: str) -> None:
         now = loop.now()
@@ -319,7 +359,11 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             tasks.pop(task.request.name, None)
             return
         task.attempt += 1
-        submit(task)
+        if task.hold_s > 0:
+            hold, task.hold_s = task.hold_s, 0.0
+            loop.call_later(hold, functools.partial(submit, task))
+        else:
+            submit(task)
 
     def on_event(event: ClusterEvent) -> None:
         pod = event.pod
@@ -340,6 +384,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             return
         if event.kind is EventKind.POD_BOUND:
             task.bound.add(pod.name)
+            if pod.assignment is not None:
+                node_of[pod.name] = pod.assignment.node
             if now >= warmup and pod.request.priority_class is not None and task.attempt == 0:
                 run.waits[pod.request.priority_class].append(now - pod.created_at)
             if len(task.bound) == task.size and not task.stopping:
@@ -354,6 +400,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             run.evictions += 1
             stop(task, grace, cause)
         elif event.kind is EventKind.POD_DELETED:
+            node_of.pop(pod.name, None)
             if not task.stopping:
                 stop(task, 0.0, PREEMPTED)
             loop.call_later(0.0, functools.partial(gone, task))
@@ -363,15 +410,27 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     # ---------------------------------------------------------------- faults
     fault_rng = np.random.default_rng([s.seed, 7])
     training_nodes = [n.name for n in nodes if n.pool == TRAINING_POOL]
+    faults = TrainingFaultsSettings()
+    categories = list(faults.mix())
+    weights = np.asarray([faults.mix()[c] for c in categories]) / sum(faults.mix().values())
+    broken: dict[str, str] = {}
+    """node → the category of the fault it carries until repaired"""
 
-    def fault() -> None:
+    def draw_fault() -> None:
         node = training_nodes[int(fault_rng.integers(len(training_nodes)))]
+        fault(node, categories[int(fault_rng.choice(len(categories), p=weights))])
+
+    def fault(node: str, category: str) -> None:
         now = loop.now()
         run.failures.append(now / 3600.0)
-        cluster.patch_node(node, unschedulable=True)
-        loop.call_later(s.repair_s, functools.partial(repaired, node))
+        if category in PERSISTENT:
+            broken[node] = category
+        if recovery is None:
+            cluster.patch_node(node, unschedulable=True)
+            loop.call_later(s.repair_s, functools.partial(repaired, node))
         hit = {task_of[b.request.name] for b in cluster.state.bindings.values()
                if b.assignment.node == node and b.request.name in task_of}
+        gangs = []
         for task in hit:
             if task.kind != TRAINING or task.stopping or task.job is None or not task.job.running:
                 if task.job is not None and task.job.running and not task.stopping:
@@ -382,14 +441,74 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                 task.finish = None
             run.ledger.stopped(task.job, task.job.crash(now), FAULT)
             task.hung = True  # the gang holds its cards until someone (or something) restarts it
-            delay = s.recovery_s if s.recovery else s.manual_recovery_s
-            loop.call_later(delay, functools.partial(recover, task))
+            gangs.append(task)
+        if recovery is None:
+            for task in gangs:
+                loop.call_later(s.manual_recovery_s, functools.partial(recover, task, now))
+            return
+        exit_at = faults.hang_timeout_s if category in HANGS else 0.0
+        delay = exit_at + faults.detect_s + faults.diagnosis_s
+        if gangs:
+            for task in gangs:
+                loop.call_later(delay, functools.partial(diagnose, task, node, category, now))
+        elif category in PERSISTENT:  # no gang there: the node agent's health checks report it
+            loop.call_later(delay, functools.partial(node_report, node, category, now))
+
+    def diagnose(task: _Task, node: str, category: str, failed_at: float) -> None:
+        assert recovery is not None and streams is not None
+        incident = streams.incident(fault_rng, category, node)
+        on = sorted({node_of[m] for m in task.members if m in node_of} | {node})
+        task.stopping = True
+        outcome = recovery.on_failure(task.request.name, streams.stream(fault_rng, incident, on, failed_at))
+        run.recoveries.append(loop.now() / 3600.0)
+        run.recovery_delays_s.append(loop.now() - failed_at)
+        if not outcome.resubmitted:
+            task.hold_s = s.manual_recovery_s
+            for member in task.members:
+                if cluster.get_pod(member) is not None:
+                    cluster.evict(member, grace_s=0.0, reason=FAULT)
+        for isolated in outcome.isolated:
+            repair_cycle(isolated)
+
+    def node_report(node: str, category: str, failed_at: float) -> None:
+        assert recovery is not None and streams is not None
+        incident = streams.incident(fault_rng, category, node)
+        outcome = recovery.on_node_evidence(streams.stream(fault_rng, incident, [node], failed_at))
+        for result in outcome.values():
+            for isolated in result.isolated:
+                repair_cycle(isolated)
+        if recovery.book.state(node).value == "quarantined":
+            repair_cycle(node)
+
+    repairing: set[str] = set()
+
+    def repair_cycle(node: str) -> None:
+        assert recovery is not None
+        if node in repairing:
+            return
+        repairing.add(node)
+        run.isolated.append(node)
+        recovery.repair_started(node)
+
+        def done() -> None:
+            broken.pop(node, None)
+            recovery.repair_done(node)
+            loop.call_later(recovery.book.policy.probation_s, functools.partial(probation_over, node))
+
+        loop.call_later(s.repair_s, done)
+
+    def probation_over(node: str) -> None:
+        assert recovery is not None
+        repairing.discard(node)
+        recovery.probation_passed(node)
 
     def repaired(node: str) -> None:
+        broken.pop(node, None)
         cluster.patch_node(node, unschedulable=False)
 
-    def recover(task: _Task) -> None:
+    def recover(task: _Task, failed_at: float) -> None:
         run.recoveries.append(loop.now() / 3600.0)
+        run.recovery_delays_s.append(loop.now() - failed_at)
         task.stopping = True
         for member in task.members:
             if cluster.get_pod(member) is not None:
@@ -398,7 +517,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     rate = s.failure_rate_per_node_day * len(training_nodes) / DAY_S
     t = float(fault_rng.exponential(1.0 / rate)) if rate > 0 else math.inf
     while t < horizon:
-        loop.call_at(t, fault)
+        loop.call_at(t, draw_fault)
         t += float(fault_rng.exponential(1.0 / rate))
 
     # ---------------------------------------------------------------- the step
