@@ -2,7 +2,7 @@
 """CPU seconds (time.process_time) of the platform week's arms, for the scheduler's gang retries.
 
     python3 scripts/bench-gang-retry.py --seeds 1-3                 # the quick settings, one arm per seed
-    python3 scripts/bench-gang-retry.py --default --days 0.1 --warmup 1 --profile 10   # the default fleet, cProfile top 10
+    python3 scripts/bench-gang-retry.py --default --days 0.1 --warmup 1 --profile 10   # the default fleet, profiled
 
 Prints figures; it is not a test and asserts nothing.
 """

@@ -208,8 +208,8 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
     """(nodes: pool, cards, cordoned once the running pods started; running pods: cards, level, pool; the pending
-    gang: members, cards, whether it is a gang; events: ("delete", k-th running pod) / ("add", cards of a fill
-    pod) / ("cordon", node: cordon or uncordon it) / ("flush", 0))."""
+    gang (or pods of one shape): members, cards, whether it is a gang; events: ("delete", k-th running pod) /
+    ("add", cards of a fill pod) / ("cordon", node: cordon or uncordon it) / ("flush", 0))."""
     nodes = draw(st.lists(st.tuples(st.sampled_from(("train", "infer")), st.sampled_from((2, 4, 8)), st.booleans()),
                           min_size=1, max_size=4))
     running = draw(st.lists(st.tuples(st.integers(1, 4), st.sampled_from(LEVELS), st.sampled_from(("train", "infer"))),
@@ -223,7 +223,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
 
 
 def replay(scenario: Scenario, hints: bool) -> list[set[str]]:
-    """The pods running after each step, one pending gang (or pod) of priority train at a time."""
+    """The pods running after each step: one pending gang, or pods of one shape, of priority train (and the fill
+    pods added meanwhile)."""
     nodes, running, pending, events = scenario
     cluster, scheduler = world([node(f"n{i}").gpus(cards).pool(p).obj() for i, (p, cards, _) in enumerate(nodes)],
                                hints=hints)
@@ -240,7 +241,7 @@ def replay(scenario: Scenario, hints: bool) -> list[set[str]]:
         if cordoned:
             cluster.patch_node(f"n{i}", unschedulable=True)
     members, cards, is_gang = pending
-    for i in range(members if is_gang else 1):
+    for i in range(members):  # a gang, or as many pods asking the same (one failure answers for the others)
         cluster.create_pod(request(f"p{i}", cards, "train", gang="team/p" if is_gang else None,
                                    size=members if is_gang else 0))
     scheduler.run_pending()

@@ -28,6 +28,7 @@ from gpuplane.scheduler.framework import CycleState, Decision, Diagnosis, Framew
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
+NO_VICTIMS = "no pod may be preempted for it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,7 @@ class Preemption:
         table = state.pod_table.pods
         eligible = rules.eligible[: table.count] & table.live[: table.count]
         if not eligible.any():
-            return PreemptionResult(None, "no pod may be preempted for it")
+            return PreemptionResult(None, NO_VICTIMS)
         levels: list[tuple[BoolArray, BoolArray | None]] = [(eligible, None)]
         if self.order is VictimOrder.LOWEST_PRIORITY_FIRST:
             # Try the lowest priorities alone first: a plan found with victims up to priority p beats any

@@ -37,6 +37,7 @@ from gpuplane.port import ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhas
 from gpuplane.port.status import Code
 from gpuplane.scheduler.framework import NEAR_CARDS, OUTSIDE, CycleState, Decision, Framework, Profile
 from gpuplane.scheduler.preemption import (
+    NO_VICTIMS,
     Preemption,
     PreemptionPlan,
     Victim,
@@ -130,6 +131,8 @@ class PreemptionStats:
     work_lost_gpu_s: float = 0.0
     gangs_placed: int = 0
     gangs_failed: int = 0
+    attempts_skipped: int = 0
+    """Attempts answered by the failure of a pod asking the same, nothing gained since (`_attempt_once`)."""
     gangs_screened: int = 0
     """Gang attempts refused by the capacity bound (`Scheduler._gang_short`) without a trial placement."""
 
@@ -176,6 +179,14 @@ class Scheduler:
         scheduler evicts or binds): the attempt must not queue them again."""
         self._backfill_classes = frozenset(c.name for c in self.rules.classes if c.backfill)
         self._backfill_priority = max((c.value for c in self.rules.classes if c.backfill), default=None)
+        self._gained = 0
+        """Counts the changes after which a pod that failed might fit (a pod released, a node added or changed, a
+        nomination's hold ended, a pod placed that changes what quotas or disruption budgets allow)."""
+        self._memo: dict[PodRequest, Decision] = {}
+        self._memo_epoch = 0
+        self._exact = True
+        self._gang_cached: dict[str, int] = {}
+        """Pods per gang in the cache (bound, assumed, nominated or trial-placed)."""
         self.shadow: ClusterState | None = None
         """The cache without backfill pods: pods above the backfill classes are placed as if backfill were
         not there (so they pack as they would on their own), then evict the backfill in their way."""
@@ -185,6 +196,7 @@ class Scheduler:
     def _build_cache(self, *, enqueue: bool) -> ClusterState:
         specs = [info.spec for info in self.port.list_nodes()]
         state = ClusterState(self.catalog, specs, self.pools)
+        self._gang_cached = {}
         self.shadow = ClusterState(self.catalog, specs, self.pools) if self._backfill_classes else None
         self._terminating = set()
         self.unplaced = []
@@ -198,6 +210,8 @@ class Scheduler:
                     self.unplaced.append((pod.name, str(exc)))
                     log.warning("running pod %s left out of the scheduler's cache: %s", pod.name, exc)
                     continue
+                if pod.request.gang is not None:
+                    self._gang_cached[pod.request.gang] = self._gang_cached.get(pod.request.gang, 0) + 1
                 if pod.phase is PodPhase.TERMINATING:
                     self._terminating.add(pod.name)
                 if self.shadow is not None and not self.is_backfill(pod.request):
@@ -220,6 +234,7 @@ class Scheduler:
         self._victim_of.clear()
         self._nominated.clear()
         self.state = self._build_cache(enqueue=False)
+        self._gained += 1
         for request, assignment in in_flight:
             held = self.state.bindings.get(request.name)
             if held is not None:  # the lists show it bound already: the world's binding stands
@@ -255,6 +270,7 @@ class Scheduler:
     def _node_changed(self, name: str) -> None:
         """A node was added or changed (labels, taints, pool, cordon, capacity): with the hints, wake the parked
         pods that node now admits and could hold (other nodes did not change); without, every parked pod."""
+        self._gained += 1
         if self.rules.queueing_hints:
             self._wake(self.state.node_index[name])
         else:
@@ -267,12 +283,25 @@ class Scheduler:
         binding = self.state.place(request, assignment, check=check)
         if self.shadow is not None and not self.is_backfill(request):
             self.shadow.place(request, assignment, check=False)
+        if request.gang is not None:
+            self._gang_cached[request.gang] = self._gang_cached.get(request.gang, 0) + 1
+        if (request.queue is not None and request.queue in self.rules.quotas) or (
+                request.workload is not None and request.workload in self.rules.min_available):
+            self._gained += 1  # other queues may borrow less or more; a budget may allow more evictions
         return binding
 
     def _release(self, name: str) -> Binding:
         binding = self.state.release(name)
+        self._gained += 1
         if self.shadow is not None and name in self.shadow.bindings:
             self.shadow.release(name)
+        gang = binding.request.gang
+        if gang is not None:
+            left = self._gang_cached[gang] - 1
+            if left:
+                self._gang_cached[gang] = left
+            else:
+                del self._gang_cached[gang]
         return binding
 
     # ------------------------------------------------------------------ cache
@@ -493,7 +522,7 @@ class Scheduler:
                     if on_outcome is not None:
                         on_outcome(outcome)
                 continue
-            decision = self._attempt(entry)
+            decision = self._attempt_once(entry)
             if _failed(decision):
                 self._undraw(draws)
             if hint >= 0 and decision.node != hint:
@@ -514,6 +543,33 @@ class Scheduler:
         """Give back the tie-break draws of an attempt that failed: a failed attempt changes nothing, so an
         attempt skipped because it could not succeed (a queueing hint, the gang bound) decides the same."""
         self.framework.rng.bit_generator.state, self._backfill_framework.rng.bit_generator.state = draws
+
+    def _attempt_once(self, entry: QueuedPod) -> Decision:
+        """`_attempt`, unless a pod asking exactly the same (all but its name) failed since the cache last gained
+        anything that could help (`_gained`): then that failure, without a second search (with the hints on).
+        Only failures the cache alone decided count: not a bind or eviction the world refused, nor a preemption
+        search that tried only its `max_candidates` best nodes (adding pods reorders them)."""
+        if not self.rules.queueing_hints:
+            return self._attempt(entry)
+        if self._memo_epoch != self._gained:
+            self._memo.clear()
+            self._memo_epoch = self._gained
+        key = replace(entry.request, name=_ANY_NAME)
+        known = self._memo.get(key)
+        if known is not None:
+            self.stats.attempts_skipped += 1
+            return known
+        self._exact = True
+        decision = self._attempt(entry)
+        if self._exact and decision.status.code is Code.UNSCHEDULABLE and entry.request.name not in self.state.bindings:
+            # The cache is as it was (a trial releasing backfill put it back): nothing was gained.
+            self._gained = self._memo_epoch
+            self._memo[key] = decision
+        return decision
+
+    def _note_truncation(self, candidates: int) -> None:
+        if candidates > self.preemption.max_candidates:
+            self._exact = False
 
     def _attempt(self, entry: QueuedPod) -> Decision:
         pod = entry.request
@@ -538,8 +594,12 @@ class Scheduler:
             done = self._preempt_past_backfill(entry, decision, scoped)
             if done is not None:
                 return done
+        if self._nobody_below(pod):  # what `plan` would find, without building the victim rules
+            return Decision(Status.unschedulable(f"{decision.status.message} Preemption: {NO_VICTIMS}."), None, -1,
+                            decision.diagnosis)
         result = self.preemption.plan(scoped, self.state, self._victim_rules(pod, []), decision.diagnosis,
                                       within=self._held(pod))
+        self._note_truncation(result.candidates)
         if result.plan is None:
             message = f"{decision.status.message} Preemption: {result.reason}."
             return Decision(Status.unschedulable(message), None, -1, decision.diagnosis)
@@ -590,6 +650,15 @@ class Scheduler:
             return self.framework.schedule(pod, self.state, within=within, cycle=CycleState()), []
         return decision, cleared
 
+    def _nobody_below(self, pod: PodRequest) -> bool:
+        """Whether no pod of the cache may be preempted for `pod`: none has a lower priority, and its queue is not
+        owed its minimum (which lets it take what other queues borrow at its own priority)."""
+        rows = self.state.pod_table.pods
+        live = rows.live[: rows.count]
+        if live.any() and int(rows.priority[: rows.count][live].min()) < pod.priority:
+            return False
+        return not (self.rules.quotas and self._owed(pod, self.quota_usage()))
+
     def _past_backfill(self, pod: PodRequest) -> bool:
         """Whether `pod` decides on the shadow (the cache without backfill) and pushes backfill aside."""
         shadow = self.shadow
@@ -607,6 +676,7 @@ class Scheduler:
         result = self.preemption.plan(pod if scoped is None else scoped, self.shadow,
                                       self._victim_rules(pod, [], self.shadow), decision.diagnosis,
                                       within=self._held(pod))
+        self._note_truncation(result.candidates)
         plan = result.plan
         if plan is None or plan.decision.assignment is None:
             return None
@@ -788,6 +858,7 @@ class Scheduler:
         self.stats.work_lost_gpu_s += sum(v.work_lost_gpu_s for plan in plans for v in plan.victims)
         first = placed[0][1]
         if refused:
+            self._exact = False  # the world's refusal, not the cache's
             # The world kept some victims (a disruption budget): undo the reservation; the pods retry later.
             for entry, _ in members:
                 name = entry.request.name
@@ -904,6 +975,7 @@ class Scheduler:
 
     def _release_hold(self, nomination: Nomination) -> None:
         """The nodes a nomination held are open again: wake the pods parked while they were held."""
+        self._gained += 1
         for node in sorted({self.state.node_index.get(a.node, -1) for _, a in nomination.members} - {-1}):
             self._wake(node)
 
@@ -1082,7 +1154,7 @@ class Scheduler:
                 wait.members[name] = sibling
         members = sorted(wait.members.values(), key=lambda e: (-e.request.gpu_milli_total, e.order))
         size = max(e.request.gang_size for e in members)
-        running = sum(1 for b in self.state.bindings.values() if b.request.gang == gang)
+        running = self._gang_cached.get(gang, 0)
         if len(members) + running < size:
             status = Status(Code.WAIT, (f"gang {gang}: {len(members) + running} of {size} members submitted",))
             return [Outcome(e.request, Decision(status), e.attempts, now - e.enqueued_at) for e in members]
@@ -1270,6 +1342,8 @@ class Scheduler:
 
 
 _NO_MODEL_LEFT = "(no model within the queue quota)"
+_ANY_NAME = "*"
+"""The name of every memoised request (`Scheduler._attempt_once`): pods differing in name only decide alike."""
 
 
 def _failed(decision: Decision) -> bool:
