@@ -145,7 +145,9 @@ class Booking(Holder):
 
     @staticmethod
     def of(holder: Holder, start: float, end: float, busy_share: float | None) -> Booking:
-        return Booking(*(getattr(holder, f.name) for f in fields(Holder)), start, end, busy_share)
+        return Booking(pod=holder.pod, namespace=holder.namespace, team=holder.team, queue=holder.queue,
+                       card_model=holder.card_model, priority_class=holder.priority_class, node=holder.node,
+                       gpu_milli=holder.gpu_milli, start=start, end=end, busy_share=busy_share)
 
     @property
     def seconds(self) -> float:
@@ -181,8 +183,9 @@ class Booking(Holder):
     def from_json(line: str) -> Booking:
         raw = json.loads(line)
         share = raw["busy_share"]
-        holder = Holder(*(str(raw[f.name]) for f in fields(Holder) if f.name != "gpu_milli"), int(raw["gpu_milli"]))
-        return Booking.of(holder, float(raw["start"]), float(raw["end"]), None if share is None else float(share))
+        text = {f.name: str(raw[f.name]) for f in fields(Holder) if f.name != "gpu_milli"}
+        return Booking(**text, gpu_milli=int(raw["gpu_milli"]), start=float(raw["start"]), end=float(raw["end"]),
+                       busy_share=None if share is None else float(share))
 
 
 class LedgerError(GpuplaneError):
