@@ -21,7 +21,7 @@ from gpuplane.scheduler.plugins.baselines import (
     RandomScore,
 )
 from gpuplane.scheduler.plugins.cards import CardOnlyOne, CardOnlyOneScope, CardOrder, OrderedCardPicker
-from gpuplane.scheduler.plugins.colocation import ColocationCardPicker, ColocationScore
+from gpuplane.scheduler.plugins.colocation import ColocationCardPicker, ColocationScore, GuardLineFit
 from gpuplane.scheduler.plugins.constraints import (
     NODE_AFFINITY_WEIGHT,
     TAINT_TOLERATION_WEIGHT,
@@ -52,6 +52,9 @@ class PolicyConfig:
     seed: int = 0
     tie_break: TieBreak | None = None
     """None: the node policy's default (random for binpack/spread, ordered for the FGD paper's policies)."""
+    guard_reserve_mib: int = 0
+    """> 0: offline fractions sharing a card with online pods leave this much memory unpromised (the node
+    guard's admission line, `GuardLineFit`); 0: no such filter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +96,13 @@ class Registry:
                               f"(choose from {', '.join(sorted(self.node_policies))})")
         node_policy = node(config)
         tie_break = config.tie_break or node_policy.tie_break
+        fits: tuple[FilterPlugin, ...] = (NodeFit(), GpuFit())
+        if config.guard_reserve_mib > 0:
+            fits = (*fits, GuardLineFit(config.guard_reserve_mib))
         card_name = config.card_policy
         if card_name is None and node_policy.picker is not None:
             return Profile(name=f"{config.node_policy}/{node_policy.picker.name}",
-                           filters=(NodeFit(), GpuFit()), scores=_with_constraints(node_policy.scores),
+                           filters=fits, scores=_with_constraints(node_policy.scores),
                            picker=node_policy.picker, tie_break=tie_break)
         card_name = card_name or "binpack"
         card = self.card_policies.get(card_name)
@@ -106,7 +112,7 @@ class Registry:
         card_filters, picker = card(config)
         return Profile(
             name=f"{config.node_policy}/{card_name}",
-            filters=(NodeFit(), GpuFit(), *card_filters),
+            filters=(*fits, *card_filters),
             scores=_with_constraints(node_policy.scores),
             picker=picker,
             tie_break=tie_break,

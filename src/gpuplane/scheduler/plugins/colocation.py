@@ -18,12 +18,13 @@ MIG requests are placed as `binpack` places them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from gpuplane.model import MILLI_PER_CARD, CardShare, ClusterState, Fraction, PodRequest, QoS
-from gpuplane.scheduler.framework import BoolArray, CardPick, CycleState, FloatArray, IntArray
+from gpuplane.scheduler.framework import BoolArray, CardCheck, CardPick, Check, CycleState, FloatArray, IntArray
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
 
 
@@ -53,6 +54,32 @@ def colocation_cost(pressure: FloatArray, mismatch: FloatArray, weights: Colocat
 def shares_card(pod: PodRequest) -> bool:
     """Whether the pod is placed by co-location cost: a fraction of a card, not online."""
     return isinstance(pod.gpu, Fraction) and pod.qos is not QoS.ONLINE
+
+
+GUARD_LINE = "GPU memory under the node guard's safety line"
+
+
+class GuardLineFit:
+    """A filter: a fractional pod that is not online goes only where it leaves `reserve_mib` of the card's
+    memory unpromised: the node guard's admission line (its safety line, the growth it allows online and the
+    hysteresis, `MemoryGuard.admissible_bytes`). The guard evicts offline work under its line on any card it
+    watches, whether online holds the card now or arrives later; without this filter the scheduler packs
+    offline work where the guard evicts it at once, and re-places it there (`docs/platform.md`). Online
+    pods are not limited."""
+
+    name = "GuardLineFit"
+
+    def __init__(self, reserve_mib: int) -> None:
+        self.reserve_mib = reserve_mib
+
+    def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
+        gpu = pod.gpu
+        if self.reserve_mib <= 0 or not isinstance(gpu, Fraction) or pod.qos is QoS.ONLINE:
+            return
+        n = state.size
+        phys = state.card_mem_phys[:n]
+        need = phys * gpu.memory_pct // 100 if gpu.memory_pct else gpu.memory_mib
+        yield CardCheck(GUARD_LINE, state.card_mem_free[:n] - need >= self.reserve_mib)
 
 
 def card_costs(pod: PodRequest, state: ClusterState, nodes: IntArray,

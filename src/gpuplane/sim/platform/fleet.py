@@ -92,6 +92,8 @@ class PlatformSettings(WorldSettings):
     nearline_backlog: int = Field(default=40, ge=1, description="near-line pods kept pending (co-location)")
     nearline_milli: int = Field(default=300, ge=50, le=900, description="GPU share a near-line pod asks for")
     nearline_hours: float = Field(default=0.5, gt=0)
+    online_request_ms: float = Field(default=20.0, gt=0, description="mean GPU time of one online request (the "
+                                     "co-location scenario's), for the node guard's passes")
     # -- capabilities
     autoscale: bool = Field(default=True, description="the GPU scaler scales A10/T4 services (off: static peak)")
     tidal: bool = Field(default=True, description="the tidal controller lends L40S nodes at night")

@@ -43,9 +43,10 @@ from gpuplane.controllers import (
 )
 from gpuplane.controllers.autoscale import ScaledObjectScaler, ScaledObjectSpec
 from gpuplane.controllers.classifier import FailureClassifier
+from gpuplane.controllers.colocation import CardPolicy, GuardSettings, MemoryGuard
 from gpuplane.controllers.health import NodeHealthBook
 from gpuplane.controllers.recovery import AdoptedGang, CheckpointPlanner, RecoveryController
-from gpuplane.model import MILLI_PER_CARD, PodRequest, QoS, Toleration, default_catalog
+from gpuplane.model import MILLI_PER_CARD, Fraction, PodRequest, QoS, Toleration, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, ONLINE, TRAINING, default_priority_classes
 from gpuplane.model.quota import QueueQuota, Quotas
 from gpuplane.model.tidal import TidalPolicy, TidalService, TidalWindow
@@ -73,6 +74,8 @@ from gpuplane.sim.scenario.world import World
 from gpuplane.sim.training_faults import TrainingFaultsSettings, bundled_library
 
 EVICTION_REASON = "gpuplane.io/eviction-reason"
+GUARD_REASON = "colocation-memory-guard"
+MIB = 1 << 20
 JOB_LABEL = "gpuplane.io/job"
 FAULT = "fault"
 PREEMPTED = "preempted"
@@ -127,6 +130,10 @@ class ArmRun:
     density: list[float] = field(default_factory=list)
     preemptions: int = 0
     evictions: int = 0
+    guard_evictions: int = 0
+    """near-line pods the node guard's memory line evicted"""
+    guard_offline_share: list[float] = field(default_factory=list)
+    """per sample, the mean share of the window the guards let near-line work run"""
     failures: list[float] = field(default_factory=list)
     recoveries: list[float] = field(default_factory=list)
     recovery_delays_s: list[float] = field(default_factory=list)
@@ -136,6 +143,10 @@ class ArmRun:
     jobs_done: int = 0
     loans: int = 0
     early_reclaims: int = 0
+
+
+def _memory_mib(request: PodRequest) -> int:
+    return request.gpu.memory_mib if isinstance(request.gpu, Fraction) else 0
 
 
 def _tidal_policy(s: PlatformSettings, services: list[Service]) -> TidalPolicy:
@@ -157,13 +168,15 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     training_gpus = (s.a100_nodes + s.h100_nodes) * s.gpus_per_node
     teams = [f"team-{i}" for i in range(s.teams)]
     quotas = Quotas([QueueQuota(t, min_gpus=training_gpus / s.teams) for t in teams])
-    profile = default_registry().build(PolicyConfig(node_policy="binpack" if s.binpack else "spread", seed=s.seed))
+    guard_settings = GuardSettings()
+    # the guard's admission line for a fresh guard (no online growth seen): what it keeps unpromised
+    reserve_mib = ((1 << 40) - MemoryGuard(guard_settings).admissible_bytes(1 << 40)) // MIB if s.colocation else 0
+    profile = default_registry().build(PolicyConfig(node_policy="binpack" if s.binpack else "spread", seed=s.seed,
+                                                    guard_reserve_mib=reserve_mib))
     pools = pool_configs(s)
     world = build_world(catalog, nodes, profile, seed=s.seed, stop_s=s.kubelet_stop_s, classes=classes,
-                        pools=pools, rules=SchedulingRules(classes=classes, quotas=quotas,
-                                                                     retry_preemptors_every_s=s.retry_preemptors_s))
-    if world.admission is not None:  # build_world takes no quotas: the admission gets the scheduler's
-        world.admission.quotas = quotas
+                        pools=pools, quotas=quotas,
+                        rules=SchedulingRules(classes=classes, retry_preemptors_every_s=s.retry_preemptors_s))
     loop, cluster, scheduler = world.loop, world.cluster, world.scheduler
     horizon, warmup, dt = s.days * DAY_S, s.warmup_hours * 3600.0, s.step_s
     run = ArmRun()
@@ -580,9 +593,51 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                     run.training_held_gpu_h += gpus * h
                     run.team_cost[task.team] += gpus * h * price[node]
 
+    guard = CardPolicy(guard_settings)
+    offline_share: dict[str, float] = {}
+    """near-line pod → the share of the last window the node guard let it run"""
+
+    def guard_pass(ready: dict[str, int]) -> None:
+        """The node guards of the cards near-line pods share, over the sample window (`CardPolicy.window`,
+        the aggregate of the 20 ms passes): each pod runs for its card's offline share; where the card's
+        free memory is under the guard's safety line, its near-line pods are evicted."""
+        offline_share.clear()
+        online: dict[tuple[str, int], float] = defaultdict(float)
+        offline: dict[tuple[str, int], list[str]] = defaultdict(list)
+        for b in cluster.state.bindings.values():
+            if len(b.assignment.card_indexes) != 1:
+                continue
+            card = (b.assignment.node, b.assignment.card_indexes[0])
+            task = task_of.get(b.request.name)
+            if task is not None and task.kind == "nearline":
+                offline[card].append(b.request.name)
+            elif b.request.workload is not None:
+                online[card] += busy_milli(b.request.name, b.assignment.gpu_milli, ready)
+        if not offline:
+            return
+        cards = list(offline)
+        state = cluster.state
+        index = [(state.node_index[node], c) for node, c in cards]
+        free = np.asarray([int(state.card_mem_free[n, c]) for n, c in index], np.int64) * MIB
+        held = np.asarray([sum(_memory_mib(cluster.state.bindings[name].request) for name in offline[card])
+                           for card in cards], np.int64) * MIB
+        out = guard.window(np.asarray([online[card] / MILLI_PER_CARD for card in cards]),
+                           online_request_s=s.online_request_ms / 1000.0, offline_demand=True, free_bytes=free,
+                           offline_bytes=held, window_s=s.sample_s)
+        for k, card in enumerate(cards):
+            if out.evict[k]:
+                for name in offline[card]:
+                    run.guard_evictions += 1
+                    cluster.evict(name, grace_s=0.0, reason=GUARD_REASON)
+                continue
+            for name in offline[card]:
+                offline_share[name] = float(out.offline_share[k])
+        run.guard_offline_share.append(float(np.mean(out.offline_share)))
+
     def busy_milli(name: str, milli: int, ready: dict[str, int]) -> float:
         """SM busy milli of a pod's cards: a serving replica its service's load share of what it needs; a
-        running job its busy share; a dev box `dev_busy` of a card; nothing for a hung or stopped job."""
+        running job its busy share (a near-line pod only while its card's guard lets it run); a dev box
+        `dev_busy` of a card; nothing for a hung or stopped job."""
         info = cluster.get_pod(name)
         if info is None:
             return 0.0
@@ -602,10 +657,17 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         if task.job is None or not task.job.running or task.hung:
             return 0.0
         busy = s.training_busy if task.kind == TRAINING else s.batch_busy
-        return busy * (milli if task.kind != "nearline" else s.nearline_milli)
+        if task.kind == "nearline":
+            return busy * s.nearline_milli * offline_share.get(name, 1.0)
+        return busy * milli
 
     def sample() -> None:
         now = loop.now()
+        if s.colocation:
+            ready_now: dict[str, int] = defaultdict(int)
+            for svc_, since in serving.values():
+                ready_now[svc_.name] += since <= now
+            guard_pass(ready_now)
         if now >= warmup:
             pool_of = {n.name: n.spec.pool for n in cluster.list_nodes()}
             capacity: dict[str, int] = defaultdict(int)
