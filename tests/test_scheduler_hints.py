@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from builders import CATALOG, node, pod
 from gpuplane.model import Fraction, NodeSpec, PodRequest
 from gpuplane.model.priority import PriorityClass, PriorityClasses
+from gpuplane.model.quota import QueueQuota, Quotas
 from gpuplane.port import PodPhase
 from gpuplane.scheduler import PolicyConfig, Scheduler, SchedulingRules, default_registry
 from gpuplane.sim import SimCluster
@@ -144,7 +145,7 @@ def test_the_flush_retries_a_gang_no_event_woke() -> None:
 
 # ---------------------------------------------------------------------------------------------- the gang's room bound
 def eight(name: str) -> NodeSpec:
-    return node(name).gpus(8).pool("train").obj()
+    return node(name).gpus(8).pool("train").label("slot", name).obj()
 
 
 @pytest.mark.parametrize(
@@ -267,3 +268,29 @@ def test_the_hints_change_no_decision(scenario: Scenario) -> None:
     # A skipped retry is one that would have failed, and a failed attempt changes nothing (not the cache, not the
     # tie-break draws): so after every step the same pods run with the hints on as with them off.
     assert replay(scenario, True) == replay(scenario, False)
+
+
+def test_a_trial_stops_when_the_members_left_cannot_fit_with_what_they_may_evict() -> None:
+    # Queues a (minimum 16 GPUs) and b (minimum 8); 4 nodes of 8 cards; b runs 3 training pods of 8 on n1-n3 (24,
+    # borrowing 16). A gang of a, 4 × 8 cards at b's priority: while a is owed its minimum (0 + 8 and 8 + 8 ≤ 16)
+    # it may reclaim b's borrowed cards, so the bound before the trial counts 4 nodes: 4 ≥ 4, tried. Member 1
+    # takes the idle n0, member 2 reclaims one of b's nodes; then a holds 16 and is owed no more (16 + 8 > 16),
+    # and b holds 16 (borrowing 8) at a's priority: nothing the last 2 members may evict, room 0 < 2: the trial
+    # stops there (without the hints: the same failure, from the preemption search, which finds no victim).
+    quotas = Quotas([QueueQuota("a", min_gpus=16), QueueQuota("b", min_gpus=8)])
+    for hints, reason in ((True, "room for at most 0 of the 2 members left"),
+                          (False, "Preemption: no pod may be preempted for it")):
+        cluster = SimCluster(CATALOG, [eight(f"n{i}") for i in range(4)])
+        rules = SchedulingRules(classes=CLASSES, quotas=quotas, queueing_hints=hints)
+        scheduler = Scheduler(cluster, CATALOG, PROFILE, seed=0, now=cluster.loop.now, rules=rules)
+        for i in range(1, 4):
+            running = replace(request(f"b{i}", 8, "train"), queue="b", node_selector=(("slot", f"n{i}"),))
+            assert cluster.create_pod(running).ok
+        scheduler.run_pending()
+        assert bound(cluster) == {"b1", "b2", "b3"}
+        for i in range(4):
+            assert cluster.create_pod(replace(request(f"g{i}", 8, "train", gang="a/g", size=4), queue="a")).ok
+        outcomes = scheduler.run_pending()
+        assert bound(cluster) == {"b1", "b2", "b3"}  # the trial undone: b keeps its nodes
+        assert scheduler.stats.gangs_screened == 0
+        assert all(reason in o.decision.status.message for o in outcomes if o.request.gang == "a/g"), hints

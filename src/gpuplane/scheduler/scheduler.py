@@ -40,6 +40,7 @@ from gpuplane.scheduler.preemption import (
     NO_VICTIMS,
     Preemption,
     PreemptionPlan,
+    PreemptionResult,
     Victim,
     VictimOrder,
     VictimRules,
@@ -1264,16 +1265,29 @@ class Scheduler:
         first = max(requests, key=lambda r: r.priority)
         if any(r.queue != first.queue for r in requests):
             return None
+        rows = self.state.pod_table.pods
+        if self.rules.preemption and first.preempts and rows.count:
+            eligible = self._victim_rules(first, []).eligible
+        else:
+            eligible = np.zeros(rows.count, np.bool_)
+        room = self._gang_room(requests, first, eligible, self._held(first))
+        if room is None or room[0] >= len(requests):
+            return None
+        return (f"{len(requests)} members, room for at most {room[0]} on the {room[1]} node(s) its filters "
+                f"leave it, even with every pod it may preempt gone")
+
+    def _gang_room(self, requests: Sequence[PodRequest], first: PodRequest, eligible: np.ndarray,
+                   scope: np.ndarray | None) -> tuple[int, int] | None:
+        """(an upper bound on how many of `requests` fit at once, the nodes their filters leave) if every pod
+        `eligible` marks (rows of the cache's pod table; for `first`, the member that may evict the most) and,
+        past the backfill, every backfill pod were gone; only nodes in `scope` (None: all). None: no bound for
+        their GPU form."""
         state = self.state
         n = state.size
         rows = state.pod_table.pods
-        if self.rules.preemption and first.preempts and rows.count:
-            eligible = self._victim_rules(first, []).eligible[: rows.count] & rows.live[: rows.count]
-            if self._past_backfill(first) and self._backfill_priority is not None:  # the backfill it clears
-                eligible = eligible | (rows.live[: rows.count]
-                                       & (rows.priority[: rows.count] <= self._backfill_priority))
-        else:
-            eligible = np.zeros(rows.count, np.bool_)
+        eligible = eligible[: rows.count] & rows.live[: rows.count]
+        if self._past_backfill(first) and self._backfill_priority is not None:  # the backfill it clears
+            eligible = eligible | (rows.live[: rows.count] & (rows.priority[: rows.count] <= self._backfill_priority))
         room = np.zeros(n, np.int64)
         usable = np.zeros(n, np.bool_)
         seen: set[object] = set()
@@ -1288,14 +1302,27 @@ class Scheduler:
             nodes = static_nodes(state, request)
             np.maximum(room, np.where(nodes, bound, 0), out=room)
             usable |= nodes
-        held = self._held(first)
-        if held is not None:
-            room[~held[:n]] = 0
-        total = int(np.minimum(room, len(requests)).sum())
-        if total >= len(requests):
+        if scope is not None:
+            room[~scope[:n]] = 0
+        return int(np.minimum(room, len(requests)).sum()), int(usable.sum())
+
+    def _members_short(self, pod: PodRequest, left: Sequence[QueuedPod], models: frozenset[str] | None,
+                       rules: VictimRules, scope: np.ndarray | None) -> str | None:
+        """Mid-trial, before `pod` (the first of the members `left`) searches for victims: why the members left
+        cannot all fit now (the room bound of `_gang_room` on the trial's cache, with `pod`'s victim rules), or
+        None. Only for members asking alike at one priority and queue: then the later members may evict no
+        more than `pod` (their queue's usage only grows in the trial, so what it may reclaim only shrinks)."""
+        if not self.rules.queueing_hints or len(left) < 2:
             return None
-        return (f"{len(requests)} members, room for at most {total} on the {int(usable.sum())} node(s) its filters "
-                f"leave it, even with every pod it may preempt gone")
+        requests = [_within_models(m.request, models) for m in left]
+        if any((r.priority, r.queue, r.gpu_milli_total) != (pod.priority, pod.queue, pod.gpu_milli_total)
+               for r in requests):
+            return None
+        room = self._gang_room(requests, pod, rules.eligible, scope)
+        if room is None or room[0] >= len(requests):
+            return None
+        return f"room for at most {room[0]} of the {len(requests)} members left, even with every pod they may " \
+               "evict gone"
 
     def _place_gang(self, members: list[QueuedPod], models: frozenset[str] | None = None) -> Decision:
         """Trial-place every member in the cache (preempting if allowed); commit all or undo all. `models`:
@@ -1316,8 +1343,10 @@ class Scheduler:
                     self.stats.attempts += 1
                     held = self._held(pod)
                     scope = held if within is None else within if held is None else within & held
-                    result = self.preemption.plan(pod, self.state, self._victim_rules(pod, victims),
-                                                  decision.diagnosis, within=scope)
+                    rules = self._victim_rules(pod, victims)
+                    short = self._members_short(pod, members[len(placed):], models, rules, scope)
+                    result = PreemptionResult(None, short) if short is not None else \
+                        self.preemption.plan(pod, self.state, rules, decision.diagnosis, within=scope)
                     if result.plan is not None:
                         victims.extend(self._release(v.pod) for v in result.plan.victims)
                         plans.append(result.plan)
