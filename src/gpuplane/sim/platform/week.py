@@ -3,12 +3,17 @@
 One `EventLoop`, one `SimCluster` and the production `Scheduler` (`build_world`, with the production
 admission, priority classes and team quotas). Every controller acts through the cluster port:
 
-- the GPU scaler (`controllers.autoscale.ScaledObjectScaler`) polls each A10/T4 service's DCGM-style
-  signal (`sim.scenario.signal.DcgmSignal`, read through the autoscale scenario's `SimPrometheus`) every
-  step and scales its workload to the HPA algorithm's count;
+- the GPU scaler (`controllers.autoscale.ScaledObjectScaler`) polls every service's DCGM-style signal
+  (`sim.scenario.signal.DcgmSignal`, read through the autoscale scenario's `SimPrometheus`) every step and
+  scales each A10/T4 workload to the HPA algorithm's count;
 - the tidal controller (`controllers.tidal.TidalController` with the learnt `SeasonalForecaster`, fed the
-  last minute's load each pass) scales the L40S services and lends emptied tidal nodes to training at
-  night (with `tidal` off it runs with lending off, as the tidal scenario's baseline);
+  last minute's load each pass) shares the L40S services with the scaler (`replicas=`: it splits the
+  scaler's count between the stable and tidal subsets, holds the policy's floor) and lends emptied tidal
+  nodes to training at night, reclaiming against the count and its forecast (with `tidal` off it lends
+  nothing, as the tidal scenario's baseline; with `autoscale` off it scales from its forecast alone);
+- the node guard of every card near-line pods share (`controllers.colocation.CardPolicy.window`, the
+  aggregate of its 20 ms passes over each sample window) lets them run its offline share and evicts them
+  under its memory line; the scheduler's `GuardLineFit` keeps that line unpromised for them;
 - the production scheduler places everything, preempts low-priority batch and near-line pods for the
   pods above them, and holds team quotas;
 - faults on training nodes crash the gang there (a category from the training-faults scenario's mix; a
@@ -199,13 +204,14 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     signal_rng = np.random.default_rng([s.seed, 3])
     scalers: dict[str, tuple[ScaledObjectScaler, DcgmSignal, SimPrometheus]] = {}
     if s.autoscale:
-        for svc in scaled:
+        for svc in (*scaled, *tidal_services):  # a tidal service's count is split by the tidal controller
             query = f'sum(DCGM_FI_DEV_GPU_UTIL{{namespace="serving",pod=~"{svc.name}-.*"}})'
             spec = ScaledObjectSpec(name=svc.name, namespace="serving", query=query,
                                     target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4)
             dcgm = DcgmSignal(SignalSettings(), dt, signal_rng)
             scalers[svc.name] = (ScaledObjectScaler(spec), dcgm, SimPrometheus({query: dcgm.query}))
-            cluster.scale(svc.name, max(1, math.ceil(svc.load(0.0) / s.per_replica_capacity)))
+            if svc.kind == SCALED:
+                cluster.scale(svc.name, max(1, math.ceil(svc.load(0.0) / s.per_replica_capacity)))
     else:
         for svc in scaled:
             cluster.scale(svc.name, svc.static_replicas(s.per_replica_capacity, s.static_headroom))
@@ -218,7 +224,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         bindings = [ServiceBinding(svc.name, s.per_replica_capacity, MILLI_PER_CARD) for svc in tidal_services]
         tidal = TidalController(cluster, _tidal_policy(s, tidal_services), bindings, forecaster, loop.now,
                                 load=lambda name: by_workload[f"{name}-tidal"].load(max(0.0, loop.now() - 60.0)),
-                                lend=s.tidal, training_pool=TRAINING_POOL, tidal_pool=TIDAL_POOL, seed=s.seed)
+                                lend=s.tidal, training_pool=TRAINING_POOL, tidal_pool=TIDAL_POOL, seed=s.seed,
+                                replicas=(lambda name: scalers[name][0].desired) if s.autoscale else None)
     else:
         for svc in tidal_services:
             static = svc.static_replicas(s.per_replica_capacity, s.static_headroom)
@@ -564,8 +571,14 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                 if scaler.replicas > 0:
                     cluster.scale(svc.name, max(1, scaler.replicas))
         for svc in tidal_services:
-            if now >= warmup and svc.load(now) > ready[svc.name] * s.per_replica_capacity * (1 + 1e-9):
+            load = svc.load(now)
+            up = ready[svc.name]
+            if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
                 run.slo_minutes += dt / 60.0
+            if svc.name in scalers:  # the tidal controller applies the count (and holds its floor)
+                scaler, dcgm, source = scalers[svc.name]
+                dcgm.tick(now, min(load / s.per_replica_capacity, float(up)), up, max(up, 1))
+                scaler.poll(now, source)
         if tidal is not None:
             tidal.reconcile()
         dev_boxes()
