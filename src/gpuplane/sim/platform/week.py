@@ -464,18 +464,20 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             gangs.append(task)
         if recovery is None:
             for task in gangs:
-                loop.call_later(s.manual_recovery_s, functools.partial(recover, task, now))
+                loop.call_later(s.manual_recovery_s, functools.partial(recover, task, now, task.attempt))
             return
         exit_at = faults.hang_timeout_s if category in HANGS else 0.0
         delay = exit_at + faults.detect_s + faults.diagnosis_s
         if gangs:
             for task in gangs:
-                loop.call_later(delay, functools.partial(diagnose, task, node, category, now))
+                loop.call_later(delay, functools.partial(diagnose, task, node, category, now, task.attempt))
         elif category in PERSISTENT:  # no gang there: the node agent's health checks report it
             loop.call_later(delay, functools.partial(node_report, node, category, now))
 
-    def diagnose(task: _Task, node: str, category: str, failed_at: float) -> None:
+    def diagnose(task: _Task, node: str, category: str, failed_at: float, attempt: int) -> None:
         assert recovery is not None and streams is not None
+        if task.attempt != attempt or task.done or not task.hung:
+            return  # the hung attempt is gone already (reclaimed or preempted meanwhile, and resubmitted)
         incident = streams.incident(fault_rng, category, node)
         on = sorted({node_of[m] for m in task.members if m in node_of} | {node})
         task.stopping = True
@@ -526,7 +528,9 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         broken.pop(node, None)
         cluster.patch_node(node, unschedulable=False)
 
-    def recover(task: _Task, failed_at: float) -> None:
+    def recover(task: _Task, failed_at: float, attempt: int) -> None:
+        if task.attempt != attempt or task.done or not task.hung:
+            return  # the hung attempt is gone already (reclaimed or preempted meanwhile, and resubmitted)
         run.recoveries.append(loop.now() / 3600.0)
         run.recovery_delays_s.append(loop.now() - failed_at)
         task.stopping = True
