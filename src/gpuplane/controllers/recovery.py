@@ -243,6 +243,14 @@ class AdoptedGang:
         if (self.gang is None) == (self.label is None):
             raise ValueError(f"{self.name}: adopt a gang by its gang name or by a label, exactly one")
 
+    @property
+    def key(self) -> tuple[str, str] | tuple[str, str, str]:
+        """What a member carries: ("gang", name) or ("label", key, value)."""
+        if self.gang is not None:
+            return ("gang", self.gang)
+        assert self.label is not None
+        return ("label", *self.label)
+
     def matches(self, request: PodRequest) -> bool:
         if self.gang is not None:
             return request.gang == self.gang
@@ -315,6 +323,8 @@ class RecoveryController:
         """grace given to the failed attempt's pods (the kubelet then takes its stop time)"""
         self.jobs: dict[str, GangJob] = {}
         self.adopted: dict[str, AdoptedGang] = {}
+        self._adopted_by_key: dict[tuple[str, ...], dict[str, AdoptedGang]] = {}
+        """a member's gang name or label → the adopted gangs it may belong to (a bind looks only at those)"""
         self.history: list[RecoveryRecord] = []
         self._member_of: dict[str, GangJob] = {}
         self._bound: dict[str, set[str]] = {}
@@ -339,7 +349,9 @@ class RecoveryController:
         """Watch a gang someone else submitted (its members already running or not yet created)."""
         if gang.name in self.jobs:
             raise ValueError(f"{gang.name}: already a submitted job")
+        self.forget(gang.name)
         self.adopted[gang.name] = gang
+        self._adopted_by_key.setdefault(gang.key, {})[gang.name] = gang
         pods = self.port.list_pods()
         members = gang.members(pods)
         if gang.running_since is None and self._all_running(gang, members):
@@ -348,7 +360,12 @@ class RecoveryController:
 
     def forget(self, name: str) -> None:
         """Stop watching an adopted gang (its owner deleted it)."""
-        self.adopted.pop(name, None)
+        gang = self.adopted.pop(name, None)
+        if gang is not None:
+            same = self._adopted_by_key.get(gang.key, {})
+            same.pop(name, None)
+            if not same:
+                self._adopted_by_key.pop(gang.key, None)
 
     def gang(self, name: str) -> Gang:
         job = self.jobs.get(name)
@@ -539,8 +556,12 @@ class RecoveryController:
                 job.last_checkpoint_at = event.time
 
     def _on_adopted_bound(self, pod: PodInfo, t: float) -> None:
-        for gang in self.adopted.values():
-            if gang.running_since is not None or not gang.matches(pod.request):
+        keys: list[tuple[str, ...]] = [("label", *label) for label in pod.request.labels]
+        if pod.request.gang is not None:
+            keys.append(("gang", pod.request.gang))
+        candidates = {name: gang for key in keys for name, gang in self._adopted_by_key.get(key, {}).items()}
+        for gang in candidates.values():
+            if gang.running_since is not None:
                 continue
             if self._all_running(gang, gang.members(self.port.list_pods())):
                 gang.running_since = t

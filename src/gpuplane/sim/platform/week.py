@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -311,16 +311,14 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         submit(task)
         return task
 
-    def waiting(kind: str) -> int:
-        return sum(1 for t in tasks.values() if t.kind == kind and not t.bound and not t.stopping)
-
     def top_up() -> None:
         if loop.now() >= horizon:
             return
+        waiting = Counter(t.kind for t in tasks.values() if not t.bound and not t.stopping)
         for kind, on, backlog in ((TRAINING, True, s.training_backlog), (BATCH_LOW, s.backfill, s.batch_backlog),
                                   ("nearline", s.colocation, s.nearline_backlog)):
             if on:
-                for _ in range(backlog - waiting(kind)):
+                for _ in range(backlog - waiting[kind]):
                     new_task(kind)
 
     def finish(task: _Task) -> None:
