@@ -581,7 +581,8 @@ def render(result: ParityResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m gpuplane.report.operator_parity", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m gpuplane.report.operator_parity",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--tick", type=float, default=300.0, help="virtual seconds per tick")
     parser.add_argument("--json", action="store_true")
