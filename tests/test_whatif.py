@@ -1,6 +1,6 @@
 """`gpuplane.sim.whatif`: the replay of a cluster snapshot puts the running pods where they are before anything
 else, keeps another stack's cards held, draws the same continuation for every policy, and is reproducible per seed;
-`gpuplane simulate --snapshot`'s command function."""
+`gpuplane replay --snapshot`'s command function."""
 
 from __future__ import annotations
 

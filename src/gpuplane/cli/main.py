@@ -178,7 +178,7 @@ def _write_placements(result: SimulationResult, path: Path) -> None:
 
 
 def _print_summary(results: list[SimulationResult], skipped: tuple[LoadReport, LoadReport]) -> None:
-    table = Table(title="gpuplane simulate", show_lines=False)
+    table = Table(title="gpuplane replay", show_lines=False)
     table.add_column("")
     for result in results:
         table.add_column(result.profile)
@@ -244,7 +244,7 @@ def _timed_config(load: float, arrival: str, hours: float) -> TimedConfig:
         raise GpuplaneError(str(exc)) from None
 
 
-WEEK_SEEDS = "1-10"
+WEEK_SEEDS = "1"
 JobsOpt = Annotated[int, typer.Option(help="run the seeds in this many worker processes (the figures are the same)")]
 
 
@@ -254,7 +254,8 @@ def simulate(
                                                        "PlatformSettings)")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="a settings field=value (repeatable), e.g. "
                                                    "--set a100_nodes=50 --set ablation=false")] = None,
-    seeds: Annotated[str, typer.Option(help="seeds to run: 1-10, 3, or 1,4,9; figures are medians over them")]
+    seeds: Annotated[str, typer.Option(help="seeds to run: 1-10, 3, or 1,4,9; figures are medians over them "
+                                       "(the default, one seed, is a look, not a headline: a headline is 10)")]
         = WEEK_SEEDS,
     days: Annotated[float | None, typer.Option(help="simulated days (default 7)")] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="directory for platform-week.html")] = Path("out"),

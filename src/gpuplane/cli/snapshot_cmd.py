@@ -1,4 +1,4 @@
-"""`gpuplane snapshot` (a cluster read into gpuplane's node list and workload) and `gpuplane simulate --snapshot`
+"""`gpuplane snapshot` (a cluster read into gpuplane's node list and workload) and `gpuplane replay --snapshot`
 (the what-if replay of such a snapshot under candidate policies): `gpuplane.kube.snapshot`, `gpuplane.sim.whatif`."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
     ) -> None:
         """Read a cluster (nodes with their cards, running pods where they are, pending pods) into gpuplane's node
-        list and workload, the files `gpuplane simulate` reads; a dump that cannot be read whole is refused with
+        list and workload, the files `gpuplane replay` reads; a dump that cannot be read whole is refused with
         every problem named by file, object and field."""
         snapshot_command(out_dir, from_, kubeconfig, context, as_json)
 
@@ -124,7 +124,7 @@ def print_snapshot(snap: Snapshot, written: Written) -> None:
 # ------------------------------------------------------------------ simulate --snapshot
 def simulate_snapshot(path: Path, policy: str, compare_with: Sequence[str], seed: int | None, hours: float,
                       assignments: Sequence[str], as_json: bool, seeds: str | None = None) -> None:
-    """`gpuplane simulate --snapshot DIR --policy A --compare B …`: the what-if replay of DIR (what `gpuplane
+    """`gpuplane replay --snapshot DIR --policy A --compare B …`: the what-if replay of DIR (what `gpuplane
     snapshot --out` wrote, or a dump as `--from` reads it) under each policy, with the same draws; `seeds` (`1-10`)
     replays each seed and reports medians with their range."""
     catalog = default_catalog()
@@ -167,7 +167,7 @@ def print_whatif(settings: WhatIfSettings, seeds: Sequence[int], results: Sequen
               f"{settings.hours:g} h of arrivals drawn from the snapshot's pods ({arrivals.show(0)} pods, "
               f"{first.arrivals_per_hour:.2f}/h, mean lifetime {first.mean_lifetime_s / 60:.0f} min, "
               f"load x{settings.load_scale:g}); {where}", soft_wrap=True, markup=False)
-    table = Table(title="gpuplane simulate --snapshot")
+    table = Table(title="gpuplane replay --snapshot")
     table.add_column("")
     for result in results[0]:
         table.add_column(result.policy, justify="right")
