@@ -152,3 +152,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Book every pod's cards on a Kubernetes cluster into an accounting ledger, until SIGTERM."""
         record(kubeconfig, prometheus, metric, ledger, sample_s)
+
+
+def main() -> None:
+    """`python3 -m gpuplane.cli.accounting_cmd accounting …`: the same commands outside `gpuplane`."""
+    app = typer.Typer(no_args_is_help=True)
+    register(app)
+    app(prog_name="gpuplane")
+
+
+if __name__ == "__main__":
+    main()

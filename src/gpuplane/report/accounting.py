@@ -138,7 +138,7 @@ def _plots(rows: Sequence[BillRow], prices: Mapping[str, float], bookings: Seque
     ax.bar(names, idle, bottom=used, label="idle-allocated", color="#fdae6b")
     ax.set_ylabel("GPU-hours")
     ax.set_title("GPU-hours allocated per team: used and idle")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     plots = [("GPU-hours per team, used and idle", png(fig))]
@@ -153,8 +153,9 @@ def _plots(rows: Sequence[BillRow], prices: Mapping[str, float], bookings: Seque
         ax.bar(names, values, bottom=bottom, label=model)
         bottom = [a + b for a, b in zip(bottom, values, strict=True)]
     ax.set_ylabel("cost")
+    ax.set_ylim(0, max(bottom, default=0.0) * 1.08 or 1.0)
     ax.set_title("Cost per team, by card model")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     plots.append(("cost per team by card model", png(fig)))
