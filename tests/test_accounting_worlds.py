@@ -4,13 +4,16 @@ the GPU-second (the issue's target)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from gpuplane.controllers.accounting import AccountingLedger, Booking, bill
+from gpuplane.cli.accounting_cmd import run_ledger
+from gpuplane.controllers.accounting import AccountingLedger, Booking, DcgmReader, LedgerFile, bill, read_ledger
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.localapi import FakeApiServer, node_json
 from gpuplane.kube.objects import node_info
@@ -199,3 +202,58 @@ def test_the_same_inputs_give_the_same_bill_in_both_worlds(kube: Kube) -> None:
         for key, figures in expected.items():
             assert got[key] == pytest.approx(figures, abs=1e-9), key
     assert totals(sim) == totals(live)  # exactly, not merely to the GPU-second
+
+
+class Dcgm:
+    """A Prometheus answering every dcgm query with one card utilisation (percent)."""
+
+    def __init__(self, percent: float) -> None:
+        self.percent = percent
+        self.queries: list[str] = []
+
+    def query(self, query: str, *, timeout_s: float | None = None) -> float:
+        self.queries.append(query)
+        return self.percent
+
+
+def test_accounting_ledger_command_books_a_live_cluster(tmp_path: Path) -> None:
+    """`gpuplane accounting-ledger`'s loop on a `KubeCluster` whose dispatcher thread delivers the events, while
+    this thread binds and deletes through the port and the loop samples every 50 ms."""
+    with FakeApiServer() as server:
+        for node in NODES:
+            server.add_node(node)
+        clock = ManualClock()
+        clock.t = 1_000.0
+        cluster = KubeCluster(server.api, CATALOG, clock=clock, sleep=lambda _: None, watch_timeout_s=30)
+        source = Dcgm(50.0)
+        stop = threading.Event()
+        path = tmp_path / "ledger.jsonl"
+        loop = threading.Thread(target=run_ledger, args=(cluster, DcgmReader(source), LedgerFile(path), stop, 0.05,
+                                                         clock))
+        loop.start()
+        try:
+            assert cluster.create_pod(TRAIN).ok
+            deadline = time.monotonic() + 10
+            while cluster.get_pod(TRAIN.name) is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            clock.t = 1_100.0
+            assert cluster.bind(TRAIN.name, whole("n1", 0, 1)).ok
+            while not source.queries:  # read at the bind
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            clock.t = 1_400.0
+            assert cluster.delete_pod(TRAIN.name).ok
+            while cluster.get_pod(TRAIN.name) is not None:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            loop.join(10)
+            cluster.close()
+    assert not loop.is_alive()
+    bookings = read_ledger(path)
+    # Two cards from 1,100 to 1,400 s = 600 GPU-s; dcgm says 50 % on each: used 300.
+    assert [(b.pod, b.start, b.end, b.allocated_gpu_s, b.used_gpu_s) for b in bookings] == [
+        (TRAIN.name, 1_100.0, 1_400.0, 600.0, 300.0)]
+    assert source.queries[0] == 'avg(DCGM_FI_DEV_GPU_UTIL{namespace="team-a",pod="train-0"})'

@@ -12,12 +12,17 @@ import dataclasses
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from gpuplane.cli.common import fail, log_to_stderr, on_sigterm
+
+if TYPE_CHECKING:
+    from gpuplane.controllers.accounting import LedgerFile, UtilisationReader
+    from gpuplane.kube.cluster import KubeCluster
+    from gpuplane.port import Clock
 
 out = Console(soft_wrap=True)
 
@@ -85,10 +90,9 @@ def accounting(from_: str, to: str, out_dir: Path, prices_path: Path | None, led
 def record(kubeconfig: Path | None, prometheus: str | None, metric: str, ledger: Path, sample_s: float) -> None:
     """The body of `gpuplane accounting-ledger`: book every pod's cards until SIGTERM or Ctrl-C."""
     from gpuplane.cli.operator_cmd import connect
-    from gpuplane.controllers.accounting import AccountingLedger, DcgmReader, LedgerFile, NoReader, UtilisationReader
+    from gpuplane.controllers.accounting import DcgmReader, LedgerFile, NoReader
     from gpuplane.kube.cluster import KubeCluster
     from gpuplane.model import default_catalog
-    from gpuplane.port import WallClock
     from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError
 
     log_to_stderr()
@@ -101,22 +105,34 @@ def record(kubeconfig: Path | None, prometheus: str | None, metric: str, ledger:
             reader = DcgmReader(PrometheusClient(prometheus), metric)
         except PrometheusError as exc:
             fail(str(exc))
-    sink = LedgerFile(ledger)
     stop = threading.Event()
-    with cluster.lock:  # the ledger samples on this thread, under the lock events are delivered under
-        book = AccountingLedger(cluster, WallClock(), reader, sample_s=0.0, sink=sink, keep_bookings=False)
     try:
         with on_sigterm(stop.set):
-            while not stop.wait(sample_s):
-                with cluster.lock:
-                    book.sample()
+            run_ledger(cluster, reader, LedgerFile(ledger), stop, sample_s)
     except KeyboardInterrupt:
         pass
+    finally:
+        cluster.close()
+
+
+def run_ledger(cluster: KubeCluster, reader: UtilisationReader, sink: LedgerFile, stop: threading.Event,
+               sample_s: float, clock: Clock | None = None) -> None:
+    """Book `cluster`'s pods into `sink` until `stop` is set; then book every open interval up to then and close
+    the file. The ledger samples on this thread, under the lock the cluster delivers its events under."""
+    from gpuplane.controllers.accounting import AccountingLedger
+    from gpuplane.port import WallClock
+
+    with cluster.lock:
+        book = AccountingLedger(cluster, clock if clock is not None else WallClock(), reader, sample_s=0.0,
+                                sink=sink, keep_bookings=False)
+    try:
+        while not stop.wait(sample_s):
+            with cluster.lock:
+                book.sample()
     finally:
         with cluster.lock:
             book.close()
         sink.close()
-        cluster.close()
 
 
 def register(app: typer.Typer) -> None:
