@@ -1035,7 +1035,14 @@ def scaler(
 
 def _register_kube_commands() -> None:
     """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
-    from gpuplane.cli import device_plugin_cmd, extender_cmd, node_reporter_cmd, operator_cmd, scheduler_cmd
+    from gpuplane.cli import (
+        accounting_cmd,
+        device_plugin_cmd,
+        extender_cmd,
+        node_reporter_cmd,
+        operator_cmd,
+        scheduler_cmd,
+    )
 
     snapshot_cmd.register(app)
     classify_cmd.register(app)
@@ -1044,6 +1051,7 @@ def _register_kube_commands() -> None:
     extender_cmd.register(app)
     operator_cmd.register(app)
     node_reporter_cmd.register(app)
+    accounting_cmd.register(app)
     scheduler_cmd.register(app)
 
 
