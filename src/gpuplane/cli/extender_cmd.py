@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import random
 import statistics
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,8 @@ from gpuplane.kube.extender import (
     normalise_prefix,
     scheduler_config,
 )
-from gpuplane.kube.objects import GPU_MODELS, RES_CORES, RES_GPU, RES_MEM, object_key
+from gpuplane.kube.objects import GPU_MODELS, RES_CORES, RES_GPU, RES_MEM, SCHEDULER_NAME, object_key
+from gpuplane.kube.observed import KubeSchedulerLease, scheduled_by
 from gpuplane.kube.pools import PoolSync
 from gpuplane.model import (
     Catalog,
@@ -60,6 +62,7 @@ from gpuplane.model import (
     default_catalog,
     make_request,
 )
+from gpuplane.port.metrics import PlaneMetrics
 from gpuplane.scheduler import PolicyError, Profile, Scheduler, default_registry
 from gpuplane.sim.cluster import SimCluster
 
@@ -105,6 +108,17 @@ def register(app: typer.Typer) -> None:
             "--filter-answers", help="what filter passes: chosen (only the node gpuplane picks, so kube-scheduler "
                                      "binds there) or feasible (every node that fits; kube-scheduler's scorers "
                                      "then weigh in)")] = FilterAnswers.CHOSEN.value,
+        metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help=(
+            "serve Prometheus metrics (GET /metrics) on this port, on all addresses: the requests by verb and "
+            "result, and the cluster's figures as --observe says (docs/monitoring.md); 0: a free port "
+            "[default: none]"))] = None,
+        observe: Annotated[str, typer.Option(help=(
+            "with --metrics-port, when to export the cluster's figures: leading (while the kube-scheduler in "
+            "this pod holds --kube-scheduler-lease, so two replicas never count an event twice) or always"))
+            ] = "leading",
+        kube_scheduler_lease: Annotated[str, typer.Option(help=(
+            "NAMESPACE/NAME of kube-scheduler's Lease (leaderElection in its configuration)"))]
+            = f"gpuplane-system/{SCHEDULER_NAME}",
     ) -> None:
         """Serve kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) over the cluster's API.
 
@@ -117,6 +131,11 @@ def register(app: typer.Typer) -> None:
             typer.echo(yaml.safe_dump(scheduler_config(url), sort_keys=False), nl=False)
             return
         answers = parse_filter_answers(filter_answers)
+        if observe not in ("leading", "always"):
+            fail(f"--observe: choose leading or always, got {observe!r}")
+        lease_namespace, _, lease_name = kube_scheduler_lease.partition("/")
+        if not lease_namespace or not lease_name or "/" in lease_name:
+            fail(f"--kube-scheduler-lease: NAMESPACE/NAME, got {kube_scheduler_lease!r}")
         if kubeconfig is not None and not kubeconfig.is_file():
             fail(f"--kubeconfig: {kubeconfig} is not a file")
         try:
@@ -125,8 +144,21 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         catalog = default_catalog()
         cluster = _kube_cluster(catalog, str(kubeconfig) if kubeconfig is not None else None, context)
+        metrics = PlaneMetrics() if metrics_port is not None else None
         core = Extender(cluster, catalog, profile, seed=seed, now=time.time, subscribe_lock=cluster.lock,
-                        uid_names=lambda uid: _pod_by_uid(cluster, uid), filter_answers=answers)
+                        uid_names=lambda uid: _pod_by_uid(cluster, uid), filter_answers=answers, metrics=metrics,
+                        observe=observe == "always", own_pods=scheduled_by(cluster.pods.get, SCHEDULER_NAME))
+        stop = threading.Event()
+        if metrics is not None:
+            try:
+                served = metrics.serve(metrics_port or 0)
+            except OSError as exc:
+                fail(f"--metrics-port {metrics_port}: {exc}")
+            typer.echo(f"metrics on :{served}/metrics (cluster figures: {observe})", err=True)
+            if observe == "leading":
+                lease = KubeSchedulerLease(cluster.api, lease_namespace, lease_name, now=time.monotonic)
+                threading.Thread(target=follow_lease, args=(core, lease, stop), name="kube-scheduler lease",
+                                 daemon=True).start()
         # The GpuPools' settings (memory oversubscription) per pool label, kept current while serving.
         pools = PoolSync(cluster.api, catalog, core, subscribe_lock=cluster.lock)
         pools.start()
@@ -142,9 +174,21 @@ def register(app: typer.Typer) -> None:
         except KeyboardInterrupt:
             pass
         finally:
+            stop.set()
             pools.stop()
             core.close()
             cluster.close()
+
+
+def follow_lease(core: Extender, lease: KubeSchedulerLease, stop: threading.Event, period_s: float = 2.0) -> None:
+    """Until `stop`: every `period_s`, observe the cluster while the kube-scheduler beside us leads, else not."""
+    while not stop.is_set():
+        leads = lease.leads()
+        if leads and core.start_observing():
+            typer.echo("kube-scheduler leads: exporting the cluster's figures", err=True)
+        elif not leads and core.stop_observing():
+            typer.echo("kube-scheduler does not lead: cluster figures no longer exported", err=True)
+        stop.wait(period_s)
 
 
 def parse_filter_answers(raw: str) -> FilterAnswers:

@@ -53,6 +53,10 @@ def register(app: typer.Typer) -> None:
         retry_period: Annotated[float, typer.Option(help="seconds")] = 2.0,
         health_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve /healthz on this port")
                                ] = None,
+        metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help=(
+            "serve Prometheus metrics (GET /metrics) on this port, every replica: the leader gauge always, the "
+            "cluster's figures while leading (docs/monitoring.md); 0: a free port, logged [default: none]"))
+                                ] = None,
         kubeconfig: Annotated[Path | None, typer.Option(
             help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")] = None,
         context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
@@ -109,9 +113,19 @@ def register(app: typer.Typer) -> None:
                 health = HealthServer(health_port).start()
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
+        metrics = None
+        if metrics_port is not None:
+            from gpuplane.port.metrics import PlaneMetrics
+
+            metrics = PlaneMetrics()
+            try:
+                served = metrics.serve(metrics_port)
+            except OSError as exc:
+                fail(f"--metrics-port {metrics_port}: {exc}")
+            logging.getLogger(__name__).info("metrics on :%d/metrics", served)
         mode = SchedulerMode(api, profile, catalog=catalog, seed=seed, pools=pool_table,
                              scheduler_name=scheduler_name, elector=elector, clock=clock,
-                             bind_workers=0 if sync_binds else bind_workers, identity=holder)
+                             bind_workers=0 if sync_binds else bind_workers, identity=holder, metrics=metrics)
         logging.getLogger(__name__).info("gpuplane scheduler %r (%s, seed %d, %s)", scheduler_name, profile.name,
                                          seed, "leader election on " + f"{lease_namespace}/{lease_name}"
                                          if leader_elect else "no leader election")

@@ -65,21 +65,25 @@ import enum
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from gpuplane.controllers.observer import ClusterObserver, scheduler_counters
 from gpuplane.kube.objects import MANAGED_RESOURCES, RES_GPU, SCHEDULER_NAME, ObjectError, object_key, pod_request
-from gpuplane.model import Assignment, Catalog, NodeSpec, PodRequest, Taint
-from gpuplane.port import ClusterEvent, ClusterPort, Handler, NodeInfo, PodInfo, PodPhase, Status, Unsubscribe
-from gpuplane.scheduler import CycleState, Decision, Diagnosis, Profile, Scheduler, SchedulingRules
+from gpuplane.kube.observed import OwnPods, PortView
+from gpuplane.model import Assignment, Catalog, NodeSpec, PodRequest
+from gpuplane.port import ClusterPort, PodPhase, Status
+from gpuplane.port.metrics import NULL_RECORDER, PlaneMetrics, Recorder
+from gpuplane.scheduler import CycleState, Decision, Diagnosis, Outcome, Profile, Scheduler, SchedulingRules
 
 log = logging.getLogger(__name__)
 
@@ -364,57 +368,6 @@ class ExtenderPreemptionResult:
         return {"NodeNameToMetaVictims": {node: v.encode() for node, v in self.victims.items()}}
 
 
-# ------------------------------------------------------------------ the port, serialised
-class _LockedWatch:
-    """The cluster port with its watch events delivered under the extender's state lock."""
-
-    def __init__(self, port: ClusterPort, lock: threading.RLock) -> None:
-        self._port = port
-        self._lock = lock
-
-    def list_nodes(self) -> Sequence[NodeInfo]:
-        return self._port.list_nodes()
-
-    def list_pods(self) -> Sequence[PodInfo]:
-        return self._port.list_pods()
-
-    def watch(self, handler: Handler) -> Unsubscribe:
-        lock = self._lock
-
-        def locked(event: ClusterEvent) -> None:
-            with lock:
-                handler(event)
-
-        return self._port.watch(locked)
-
-    def create_pod(self, request: PodRequest) -> Status:
-        return self._port.create_pod(request)
-
-    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
-        return self._port.bind(pod, assignment, node_version=node_version)
-
-    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
-        return self._port.evict(pod, grace_s=grace_s, reason=reason)
-
-    def delete_pod(self, pod: str) -> Status:
-        return self._port.delete_pod(pod)
-
-    def fail_pod(self, pod: str, reason: str) -> Status:
-        return self._port.fail_pod(pod, reason)
-
-    def scale(self, workload: str, replicas: int) -> Status:
-        return self._port.scale(workload, replicas)
-
-    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
-        return self._port.patch_pod(pod, annotations=annotations)
-
-    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
-                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
-                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
-        return self._port.patch_node(node, labels=labels, taints=taints, annotations=annotations,
-                                     unschedulable=unschedulable, pool=pool)
-
-
 class _Lru:
     """A small thread-safe LRU map."""
 
@@ -492,13 +445,20 @@ class Extender:
     `subscribe_lock` is held while the scheduler lists the port and subscribes to it, so no event falls in
     between (`KubeCluster.lock`; its event delivery holds it, then takes the state lock: the same order).
     `filter_answers`: what filter passes (module docstring).
+
+    `metrics`: where the HTTP server records each request (`extender_request`) and where `observe` exports the
+    cluster's figures; with `observe` (the default when `metrics` is given) the observer starts at once. Run
+    one observer per cluster: of two extender replicas, only the one whose kube-scheduler leads should
+    observe (`gpuplane.kube.observed.KubeSchedulerLease`; `start_observing`, `stop_observing`). `own_pods`
+    names the pods the observer counts as gpuplane's when pending (`OwnPods`; None: all of them).
     """
 
     def __init__(self, port: ClusterPort, catalog: Catalog, profile: Profile, *, seed: int = 0,
                  rules: SchedulingRules | None = None, now: Callable[[], float] | None = None,
                  uid_names: Callable[[str], str | None] | None = None, cache_size: int = 4096,
                  subscribe_lock: AbstractContextManager[Any] | None = None,
-                 filter_answers: FilterAnswers = FilterAnswers.CHOSEN) -> None:
+                 filter_answers: FilterAnswers = FilterAnswers.CHOSEN, metrics: PlaneMetrics | None = None,
+                 observe: bool | None = None, own_pods: Callable[[str], bool] | None = None) -> None:
         self.catalog = catalog
         self.filter_answers = filter_answers
         self._chosen = _Lru(cache_size)
@@ -512,10 +472,54 @@ class Extender:
         self._names = _Lru(16 * cache_size)
         """Pod UID → `namespace/name`, for preemption victims named by UID only."""
         with self.port_lock, subscribe_lock or nullcontext(), self.state_lock:
-            self.scheduler = Scheduler(_LockedWatch(port, self.state_lock), catalog, profile, seed=seed,
+            self.scheduler = Scheduler(PortView(port, self.state_lock), catalog, profile, seed=seed,
                                        rules=rules, now=now, queue_pods=False)
+        self.plane = metrics
+        self.metrics: Recorder = metrics if metrics is not None else NULL_RECORDER
+        """What the HTTP server records each request into."""
+        self._subscribe_lock = subscribe_lock
+        self._observed_port: ClusterPort = port if own_pods is None else OwnPods(port, own_pods)
+        self._wall = now if now is not None else time.time
+        self._observer_lock = threading.Lock()
+        self.observer: ClusterObserver | None = None
+        """The cluster's observer while this extender observes."""
+        if metrics is not None and (observe is None or observe):
+            self.start_observing()
+
+    # -------------------------------------------------------------- metrics
+    def start_observing(self) -> bool:
+        """Export the cluster's figures and the scheduler's counts into `metrics` (a fresh observer, listed
+        and subscribed under the subscribe lock); False when already observing or no metrics were given."""
+        plane = self.plane
+        if plane is None:
+            return False
+        with self._observer_lock:
+            if self.observer is not None:
+                return False
+            with self._subscribe_lock or nullcontext():
+                self.observer = ClusterObserver(self._observed_port, plane, now=self._wall,
+                                                quotas=self.scheduler.rules.quotas)
+            plane.counters(scheduler_counters(self.scheduler))
+            return True
+
+    def stop_observing(self) -> bool:
+        """Stop exporting the cluster's figures (the recorded counters keep their counts); False when not
+        observing."""
+        with self._observer_lock:
+            observer, self.observer = self.observer, None
+            if observer is None or self.plane is None:
+                return False
+            observer.close()
+            self.plane.drop("scheduler")
+            return True
+
+    def _record(self, pod: PodRequest, decision: Decision) -> None:
+        observer = self.observer
+        if observer is not None:
+            observer.record_outcomes([Outcome(pod, decision, 0, 0.0)])
 
     def close(self) -> None:
+        self.stop_observing()
         self.scheduler.close()  # not under the state lock: a port delivering an event holds its own, then ours
 
     # -------------------------------------------------------------- pods
@@ -628,9 +632,12 @@ class Extender:
             return ExtenderFilterResult(error=str(exc))
         names = args.names()
         if self.filter_answers is FilterAnswers.CHOSEN:
-            keep, failed, unresolvable = self._decide(args.pod, pod, names).answer
+            chosen = self._decide(args.pod, pod, names)
+            keep, failed, unresolvable = chosen.answer
+            self._record(pod, chosen.decision)
         else:
             keep, failed, unresolvable = self._filter_feasible(pod, names)
+            self._record(pod, _feasible_decision(keep, failed, unresolvable))
         if args.nodes is not None:
             items = args.node_items()[0]
             rest = {k: v for k, v in args.nodes.items() if k.casefold() != "items"}
@@ -807,6 +814,16 @@ class Extender:
         return decision.assignment is not None
 
 
+def _feasible_decision(keep: Sequence[int], failed: Mapping[str, str], unresolvable: Mapping[str, str]) -> Decision:
+    """A `feasible`-mode filter as one scheduling attempt: some node passed, or the reason most nodes failed for."""
+    if keep:
+        return Decision(Status.success())
+    reasons = [*failed.values(), *unresolvable.values()]
+    if not reasons:
+        return Decision(Status.unschedulable("no nodes sent"))
+    return Decision(Status.unschedulable(max(set(reasons), key=lambda r: (reasons.count(r), r))))
+
+
 # ------------------------------------------------------------------ HTTP
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -889,8 +906,11 @@ class _Handler(BaseHTTPRequestHandler):
         if verb == "healthz":
             self._not_allowed()
             return
-        code, answer = handle(self.server.extender, verb, body)
-        self._answer(code, answer)
+        extender = self.server.extender
+        started = time.perf_counter()
+        reply = handle(extender, verb, body)
+        extender.metrics.extender_request(verb, ok=reply.ok, seconds=time.perf_counter() - started)
+        self._answer(reply.code, reply.body)
 
     def do_GET(self) -> None:
         if self._body() is None:
@@ -924,37 +944,48 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _refuse_method
 
 
-def _reject(verb: str, message: str) -> tuple[int, bytes]:
+class Reply(NamedTuple):
+    """One verb's answer: the HTTP status, the JSON body, and whether it succeeded (HTTP 200 and no `Error`:
+    what `gpuplane_extender_requests_total`'s result counts)."""
+
+    code: int
+    body: bytes
+    ok: bool
+
+
+def _reject(verb: str, message: str) -> Reply:
     """A request we cannot read, answered the way kube-scheduler understands for that verb."""
     if verb == "filter":
-        return 200, dumps(ExtenderFilterResult(error=message).encode())
+        return Reply(200, dumps(ExtenderFilterResult(error=message).encode()), False)
     if verb == "bind":
-        return 200, dumps(ExtenderBindingResult(message).encode())
-    return 400, dumps({"Error": message})
+        return Reply(200, dumps(ExtenderBindingResult(message).encode()), False)
+    return Reply(400, dumps({"Error": message}), False)
 
 
-def handle(extender: Extender, verb: str, body: bytes) -> tuple[int, bytes]:
-    """One verb: (HTTP status, JSON body). Never raises."""
+def handle(extender: Extender, verb: str, body: bytes) -> Reply:
+    """One verb. Never raises."""
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         return _reject(verb, f"body is not JSON: {exc}")
     try:
         if verb == "filter":
-            return 200, dumps(extender.filter(ExtenderArgs.decode(doc)).encode())
+            filtered = extender.filter(ExtenderArgs.decode(doc))
+            return Reply(200, dumps(filtered.encode()), not filtered.error)
         if verb == "prioritize":
             priorities = extender.prioritize(ExtenderArgs.decode(doc))
-            return 200, dumps([p.encode() for p in priorities])
+            return Reply(200, dumps([p.encode() for p in priorities]), True)
         if verb == "bind":
-            return 200, dumps(extender.bind(ExtenderBindingArgs.decode(doc)).encode())
-        return 200, dumps(extender.preempt(ExtenderPreemptionArgs.decode(doc)).encode())
+            bound = extender.bind(ExtenderBindingArgs.decode(doc))
+            return Reply(200, dumps(bound.encode()), not bound.error)
+        return Reply(200, dumps(extender.preempt(ExtenderPreemptionArgs.decode(doc)).encode()), True)
     except (WireError, ObjectError) as exc:
         return _reject(verb, str(exc))
     except RecursionError:
         return _reject(verb, "body nested too deeply")
     except Exception as exc:  # a bug: log it, answer without a traceback, keep serving
         log.exception("extender %s failed", verb)
-        return 500, dumps({"Error": f"internal error in {verb}: {type(exc).__name__}"})
+        return Reply(500, dumps({"Error": f"internal error in {verb}: {type(exc).__name__}"}), False)
 
 
 def normalise_prefix(prefix: str) -> str:
@@ -1071,6 +1102,6 @@ def describe_nodes(specs: Sequence[NodeSpec]) -> str:
 __all__ = [
     "DEFAULT_PORT", "DEFAULT_PREFIX", "MAX_EXTENDER_PRIORITY", "PLACED_ELSEWHERE", "VERBS", "Extender", "ExtenderArgs",
     "ExtenderBindingArgs", "ExtenderBindingResult", "ExtenderFilterResult", "ExtenderPreemptionArgs",
-    "ExtenderPreemptionResult", "ExtenderServer", "FilterAnswers", "HostPriority", "VictimPod", "Victims",
+    "ExtenderPreemptionResult", "ExtenderServer", "FilterAnswers", "HostPriority", "Reply", "VictimPod", "Victims",
     "WireError", "dumps", "extender_scores", "handle", "normalise_prefix", "scheduler_config",
 ]

@@ -47,11 +47,13 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from gpuplane.controllers.observer import ClusterObserver, scheduler_counters
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, pod_path
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.lease import LeaseElector
 from gpuplane.kube.objects import GANG_SIZE, format_time, split_key
-from gpuplane.model import Assignment, Catalog, PodRequest, PoolConfig, Taint, default_catalog
+from gpuplane.kube.observed import OwnPods, PortView
+from gpuplane.model import Assignment, Catalog, PodRequest, PoolConfig, default_catalog
 from gpuplane.model.quota import Quotas
 from gpuplane.port import (
     Clock,
@@ -65,6 +67,7 @@ from gpuplane.port import (
     Unsubscribe,
     WallClock,
 )
+from gpuplane.port.metrics import PlaneMetrics
 from gpuplane.port.status import Code
 from gpuplane.scheduler import Decision, Outcome, Profile, Scheduler, SchedulingRules
 from gpuplane.scheduler.framework import Diagnosis
@@ -315,8 +318,8 @@ class Recorder:
 
 
 # ------------------------------------------------------------------ the port
-class SchedulerPort:
-    """`KubeCluster` as gpuplane's own scheduler sees it (a `ClusterPort`).
+class SchedulerPort(PortView):
+    """`KubeCluster` as gpuplane's own scheduler sees it (a `ClusterPort`; the calls not below go to the cluster).
 
     - Pending pods of other schedulers are not there (neither listed nor announced); bound pods all are.
     - A pending pod of ours whose PodGroup is not known yet waits outside (`waiting_for_group`); gang names are
@@ -329,6 +332,7 @@ class SchedulerPort:
     def __init__(self, cluster: KubeCluster, scheduler_name: str, declarations: DeclarationSource, *,
                  lanes: Lanes | None, recorder: Recorder, on_bind_failed: Callable[[str, Status, str | None], None],
                  on_gone: Callable[[str], None]) -> None:
+        super().__init__(cluster)
         self.cluster = cluster
         self.scheduler_name = scheduler_name
         self.declarations = declarations
@@ -534,31 +538,6 @@ class SchedulerPort:
                         self._deliver(ClusterEvent(EventKind.POD_ADDED, now, pod=admitted))
                 self._on_bind_failed(pod, status, view.request.gang)
 
-    # -------------------------------------------------------------- the rest of the port
-    def create_pod(self, request: PodRequest) -> Status:
-        return self.cluster.create_pod(request)
-
-    def evict(self, pod: str, *, grace_s: float = 30.0, reason: str = "") -> Status:
-        return self.cluster.evict(pod, grace_s=grace_s, reason=reason)
-
-    def delete_pod(self, pod: str) -> Status:
-        return self.cluster.delete_pod(pod)
-
-    def fail_pod(self, pod: str, reason: str) -> Status:
-        return self.cluster.fail_pod(pod, reason)
-
-    def scale(self, workload: str, replicas: int) -> Status:
-        return self.cluster.scale(workload, replicas)
-
-    def patch_pod(self, pod: str, *, annotations: Mapping[str, str | None]) -> Status:
-        return self.cluster.patch_pod(pod, annotations=annotations)
-
-    def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,
-                   taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
-                   unschedulable: bool | None = None, pool: str | None = None) -> Status:
-        return self.cluster.patch_node(node, labels=labels, taints=taints, annotations=annotations,
-                                       unschedulable=unschedulable, pool=pool)
-
 
 # ------------------------------------------------------------------ the scheduler
 ClusterFactory = Callable[[], KubeCluster]
@@ -574,6 +553,7 @@ class _Term:
     port: SchedulerPort
     scheduler: Scheduler
     preemption: _RecordingPreemption
+    observer: ClusterObserver | None
 
 
 class SchedulerMode:
@@ -583,6 +563,11 @@ class SchedulerMode:
     make the API calls of binds, conditions and events (0: all inline on the deciding thread). `clock`: the
     scheduler's time (timers, event stamps). `cluster_factory` builds the started `KubeCluster` (default: manual
     dispatch, one eviction attempt, pods created for `scheduler_name`).
+
+    `metrics`: where the scheduler's metrics go (`docs/monitoring.md`): the leader gauge
+    (`gpuplane_leader{component="scheduler"}`) at every tick; while leading, the cluster's observer (over
+    the scheduler's own pods, `OwnPods`; `clock` is its clock, epoch seconds as the API's timestamps), the
+    scheduler's preemption and gang counts, and every decision, timed per pass. None: no metrics.
     """
 
     def __init__(self, api: KubeApi, profile: Profile, *, catalog: Catalog | None = None, seed: int = 0,
@@ -590,8 +575,9 @@ class SchedulerMode:
                  scheduler_name: str = DEFAULT_SCHEDULER_NAME, elector: LeaseElector | None = None,
                  clock: Clock | None = None, bind_workers: int = 4, identity: str = "gpuplane",
                  declarations: DeclarationsFactory = default_declarations,
-                 cluster_factory: ClusterFactory | None = None) -> None:
+                 cluster_factory: ClusterFactory | None = None, metrics: PlaneMetrics | None = None) -> None:
         self.api = api
+        self.metrics = metrics
         self.profile = profile
         self.catalog = catalog if catalog is not None else default_catalog()
         self.seed = seed
@@ -634,7 +620,10 @@ class SchedulerMode:
     def tick(self) -> int:
         """One pass: the election, then (while leading) the events, the decisions and their writes. Returns the
         scheduling attempts decided in it."""
-        if self.elector is not None and not self.elector.tick():
+        leading = self.elector is None or self.elector.tick()
+        if self.metrics is not None:
+            self.metrics.set_leader("scheduler", leading)
+        if not leading:
             if self.leading:
                 self._stand_down()
             return 0
@@ -647,7 +636,10 @@ class SchedulerMode:
         if self._declarations_changed.is_set():
             self._declarations_changed.clear()
             self._apply_declarations(term)
-        outcomes = term.scheduler.run_pending(self._on_outcome)
+        if term.observer is not None:
+            outcomes = term.observer.run_pending(term.scheduler, self._on_outcome)
+        else:
+            outcomes = term.scheduler.run_pending(self._on_outcome)
         self._report_unreadable(term)
         self.outcomes += len(outcomes)
         return len(outcomes)
@@ -679,6 +671,8 @@ class SchedulerMode:
         if self.elector is not None:
             self.elector.release()
         self._stand_down()
+        if self.metrics is not None:
+            self.metrics.set_leader("scheduler", False)
 
     # -------------------------------------------------------------- leadership
     def _take_over(self) -> bool:
@@ -705,9 +699,16 @@ class SchedulerMode:
                               now=self.clock.now, rules=rules)
         preemption = _RecordingPreemption(scheduler.preemption)
         scheduler.preemption = preemption
-        scheduler.on_deferred = self._on_outcome
+        observer = None
+        if self.metrics is not None:
+            # Built before any event is pumped (dispatch is manual): it lists what the scheduler listed.
+            observer = ClusterObserver(OwnPods(port, port.is_ours), self.metrics, now=self.clock.now,
+                                       quotas=rules.quotas)
+            self.metrics.counters(scheduler_counters(scheduler))
+        scheduler.on_deferred = self._on_outcome if observer is None else functools.partial(
+            self._on_deferred, observer)
         self._written.clear()
-        self._term = _Term(cluster, declarations, lanes, port, scheduler, preemption)
+        self._term = _Term(cluster, declarations, lanes, port, scheduler, preemption, observer)
         log.info("scheduler %s: %d nodes, %d pods queued, %d waiting for their PodGroup", self.scheduler_name,
                  scheduler.state.size, len(scheduler.queue), len(port.waiting_for_group))
         return True
@@ -719,6 +720,8 @@ class SchedulerMode:
         log.info("%s: not leading, stopping the scheduler", self.identity)
         if term.lanes is not None:
             term.lanes.close(drop=True)  # a follower writes nothing: queued writes are the next leader's
+        if term.observer is not None:
+            term.observer.close()
         term.scheduler.close()
         term.port.close()
         term.declarations.stop()
@@ -732,10 +735,17 @@ class SchedulerMode:
             scheduler.rules = dataclasses.replace(scheduler.rules, gang_timeouts=timeouts)
         if quotas != scheduler.rules.quotas:
             scheduler.rules = dataclasses.replace(scheduler.rules, quotas=quotas)
+            if term.observer is not None:
+                term.observer.quotas = quotas
             scheduler.resync()  # wakes the pods held at a quota
         term.port.admit_waiting()
 
     # -------------------------------------------------------------- outcomes
+    def _on_deferred(self, observer: ClusterObserver, outcome: Outcome) -> bool:
+        """A decision made outside a pass (a nominated pod bound once its victims are gone): counted too."""
+        observer.record_outcomes([outcome])
+        return self._on_outcome(outcome)
+
     def _on_outcome(self, outcome: Outcome) -> bool:
         term = self._term
         if term is None:
