@@ -58,11 +58,15 @@ SCHEDULER_MODE = DEPLOY / "modes" / "scheduler"
 brings deploy/scheduler/). The objects below are the default install (extender mode); scheduler mode's are
 checked at the end of this file."""
 EXTENDER_MODE = DEPLOY / "scheduler"
+NOT_KUBERNETES = (DEPLOY / "monitoring", DEPLOY / "grafana")
+"""Prometheus' and Grafana's own files (tests/test_alert_rules.py, tests/test_grafana.py; the scrape jobs below)."""
+SCRAPE_CONFIG = DEPLOY / "monitoring" / "prometheus-scrape.yaml"
 
 
 def _yaml_files(root: Path = DEPLOY) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
-                  and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents))
+                  and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents)
+                  and not any(d in p.parents for d in NOT_KUBERNETES))
 
 
 def _load(path: Path) -> list[Doc]:
@@ -1007,3 +1011,111 @@ def test_kustomize_renders_scheduler_mode(tmp_path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
     key = lambda d: (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])  # noqa: E731
     assert sorted(map(key, docs)) == sorted(key(d) for _, d in SCHEDULER_MODE_OBJECTS)
+
+
+# ------------------------------------------------------------------ metrics and their scraping
+def _flag(container: Doc, flag: str) -> str | None:
+    args = container.get("args", [])
+    return str(args[args.index(flag) + 1]) if flag in args else None
+
+
+def _metrics_containers(objects: list[tuple[Path, Doc]]) -> list[tuple[Doc, Doc, int]]:
+    """(workload, container, port) of every gpuplane container serving metrics: `--metrics-port`, or the node
+    exporter's `--port`."""
+    out = []
+    for w in _of_kind("Deployment", "DaemonSet", objects=objects):
+        for c in _containers(w):
+            port = _flag(c, "--metrics-port") or (_flag(c, "--port") if c.get("args", [])[:1] == ["node-exporter"]
+                                               else None)
+            if port is not None:
+                out.append((w, c, int(port)))
+    return out
+
+
+@pytest.mark.parametrize("objects", [OBJECTS, SCHEDULER_MODE_OBJECTS], ids=["extender mode", "scheduler mode"])
+def test_every_metrics_port_is_a_container_port_behind_a_headless_service(objects: list[tuple[Path, Doc]]) -> None:
+    served = _metrics_containers(objects)
+    # The scheduler pod (either mode), the scaler, the node agent's exporter and guard.
+    assert {(w["metadata"]["name"], c["name"]) for w, c, _ in served} >= {
+        ("gpuplane-scheduler", "extender" if objects is OBJECTS else "scheduler"), ("gpuplane-scaler", "scaler"),
+        ("gpuplane-node-agent", "node-exporter"), ("gpuplane-node-agent", "node-guard")}
+    services = _of_kind("Service", objects=objects)
+    for w, c, port in served:
+        where = f"{w['metadata']['name']}/{c['name']}"
+        names = [p["name"] for p in c.get("ports", []) if p["containerPort"] == port]
+        assert len(names) == 1, f"{where}: metrics port {port} is not a named container port"
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        targets = [(svc, p) for svc in services if svc["spec"]["selector"].items() <= labels.items()
+                   for p in svc["spec"]["ports"] if p["targetPort"] == names[0]]
+        assert targets, f"{where}: no Service targets {names[0]}"
+        annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+        if "prometheus.io/port" in annotations:
+            assert annotations["prometheus.io/port"] == str(port), where  # one metrics container there
+            assert annotations["prometheus.io/scrape"] == "true"
+
+
+def test_the_scheduler_pod_serves_metrics_on_the_same_port_and_service_in_both_modes() -> None:
+    def metrics_of(objects: list[tuple[Path, Doc]]) -> tuple[int, Doc]:
+        [(_, _, port)] = [x for x in _metrics_containers(objects) if x[0]["metadata"]["name"] == "gpuplane-scheduler"]
+        [service] = [s for s in _of_kind("Service", objects=objects)
+                     if s["metadata"]["name"] == "gpuplane-scheduler-metrics"]
+        return port, service
+
+    (port, extender), (same, scheduler) = metrics_of(OBJECTS), metrics_of(SCHEDULER_MODE_OBJECTS)
+    assert port == same
+    assert extender["spec"]["clusterIP"] == scheduler["spec"]["clusterIP"] == "None"  # one target per replica
+    # Extender mode adds kube-scheduler's own HTTPS metrics port (job kube-scheduler).
+    assert {p["name"] for p in extender["spec"]["ports"]} == {"metrics", "kube-scheduler"}
+    assert {p["name"] for p in scheduler["spec"]["ports"]} == {"metrics"}
+
+
+def test_the_extender_observes_while_the_lease_kube_scheduler_is_configured_with_is_its() -> None:
+    # Two replicas each run an extender: only the one beside the leading kube-scheduler may count the cluster,
+    # so the Lease it follows must be the one kube-scheduler's configuration names.
+    deployment = _one("Deployment", "gpuplane-scheduler")
+    assert deployment["spec"]["replicas"] == 2
+    extender = next(c for c in _containers(deployment) if c["name"] == "extender")
+    assert _flag(extender, "--observe") in (None, "leading")
+    params = {p.name: p for p in _CLI.commands["extender"].params}  # type: ignore[attr-defined]
+    followed = _flag(extender, "--kube-scheduler-lease") or params["kube_scheduler_lease"].default
+    config = yaml.safe_load(SCHEDULER_CONFIG.read_text(encoding="utf-8"))["leaderElection"]
+    assert followed == f"{config['resourceNamespace']}/{config['resourceName']}"
+    assert config["leaderElect"] is True and config["resourceLock"] == "leases"
+    # and it may read that Lease (the role kube-scheduler renews it with).
+    grants, _ = _rbac()
+    assert ("get", "coordination.k8s.io", "leases", config["resourceNamespace"], config["resourceName"]) in \
+        grants["gpuplane-scheduler"]
+
+
+def _scrape_jobs() -> dict[str, tuple[str, str]]:
+    """job name -> (Service name, port name) its keep rule selects."""
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text(encoding="utf-8"))
+    jobs = {}
+    for job in config["scrape_configs"]:
+        [sd] = job["kubernetes_sd_configs"]
+        assert sd == {"role": "endpoints", "namespaces": {"names": [NAMESPACE]}}, job["job_name"]
+        [keep] = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+        assert keep["source_labels"] == ["__meta_kubernetes_service_name", "__meta_kubernetes_endpoint_port_name"]
+        service, port = keep["regex"].split(";")
+        jobs[job["job_name"]] = (service, port)
+    return jobs
+
+
+def test_the_scrape_jobs_are_the_ones_the_rules_name_and_reach_real_services() -> None:
+    jobs = _scrape_jobs()
+    doc = (DEPLOY.parent / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    table = doc.split("## Scraping", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z-]+)` \|", table, re.M))
+    others = {"dcgm-exporter", "kube-state-metrics"}  # their own charts scrape them
+    assert set(jobs) == documented - others
+    alerts = (DEPLOY / "monitoring" / "rules" / "gpuplane-alerts.yaml").read_text(encoding="utf-8")
+    watched = re.search(r'up\{job=~"([^"]+)"\}', alerts)
+    assert watched is not None
+    assert all(re.fullmatch(watched.group(1), job) for job in jobs if job != "kube-scheduler")
+    reached = set()
+    for objects in (OBJECTS, SCHEDULER_MODE_OBJECTS):
+        for svc in _of_kind("Service", objects=objects):
+            reached |= {(svc["metadata"]["name"], p["name"]) for p in svc["spec"]["ports"]}
+    missing = {job for job, target in jobs.items() if target not in reached}
+    # The operator does not serve metrics yet (gpuplane operator has no --metrics-port): its job finds no target.
+    assert missing == {"gpuplane-operator"}
