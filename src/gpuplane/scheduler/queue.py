@@ -28,6 +28,8 @@ class QueuedPod:
     """Arrival order in the queue, fixed at `add`: ties in priority go to the pod that came first."""
     seq: int = -1
     """Sequence number of this entry's live heap item; older heap items for the same name are stale."""
+    alike: PodRequest | None = None
+    """The request under a common name (the scheduler's key for pods that decide alike), made once."""
 
 
 ShapeKey = tuple[object, ...]
@@ -142,10 +144,12 @@ class SchedulingQueue:
         return len(moved)
 
     def activate_for_node(self, state: ClusterState, node: int, *, above_priority: int | None = None,
-                          filtered: bool = True) -> int:
+                          filtered: bool = True, budgeted: bool = True) -> int:
         """Move back the parked pods that `node`'s free capacity could hold, in queue order (only pods of
         priority above `above_priority` when given; `filtered`: only pods the node's pool, taints, labels,
-        cordon and GPU model admit, `admits`).
+        cordon and GPU model admit, `admits`; not `budgeted`: every such pod of a shape the node has room for,
+        not only as many as its capacity holds, for a node that changed: a pod the budget passed over at an
+        earlier wake-up must not miss this one).
 
         A vectorised bound per shape picks the shapes worth a look; then the heads of those shapes are
         taken in (priority, arrival) order against a running budget of the node's free capacity, and a
@@ -169,7 +173,9 @@ class SchedulingQueue:
             neg_priority, _, group = heapq.heappop(heads)
             if above_priority is not None and -neg_priority <= above_priority:
                 break  # heads come out by priority: every later one is lower
-            if not budget.take(self, group):
+            # A gang member takes no budget: its gang needs more than this node, so it may well not use it, and
+            # the pods behind it must not miss the capacity (a plain pod that does not use it is looked at again).
+            if budgeted and self._group_request[group].gang is None and not budget.take(self, group):
                 continue
             name = heapq.heappop(self._group_heaps[group])[3]
             entry = self._parked.pop(name)

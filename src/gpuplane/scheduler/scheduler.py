@@ -258,22 +258,23 @@ class Scheduler:
     def close(self) -> None:
         self._unsubscribe()
 
-    def _wake(self, node: int, *, shadow: bool = True) -> None:
+    def _wake(self, node: int, *, shadow: bool = True, budgeted: bool = True) -> None:
         """Capacity freed on `node`: move back the parked pods it could now hold. Pods above the backfill
         see the node as if backfill were not there (the shadow), so they are woken against it too, unless
         `shadow` is False (a backfill pod left: the shadow did not change, and for the pods above the backfill
         the capacity it held was theirs to take already; what it freed in the cache wakes them as any pod)."""
         hints = self.rules.queueing_hints
-        self.queue.activate_for_node(self.state, node, filtered=hints)
+        self.queue.activate_for_node(self.state, node, filtered=hints, budgeted=budgeted)
         if (shadow or not hints) and self.shadow is not None and self._backfill_priority is not None:
-            self.queue.activate_for_node(self.shadow, node, above_priority=self._backfill_priority, filtered=hints)
+            self.queue.activate_for_node(self.shadow, node, above_priority=self._backfill_priority, filtered=hints,
+                                         budgeted=budgeted)
 
     def _node_changed(self, name: str) -> None:
         """A node was added or changed (labels, taints, pool, cordon, capacity): with the hints, wake the parked
         pods that node now admits and could hold (other nodes did not change); without, every parked pod."""
         self._gained += 1
         if self.rules.queueing_hints:
-            self._wake(self.state.node_index[name])
+            self._wake(self.state.node_index[name], budgeted=False)
         else:
             self.queue.activate_all()
 
@@ -555,7 +556,9 @@ class Scheduler:
         if self._memo_epoch != self._gained:
             self._memo.clear()
             self._memo_epoch = self._gained
-        key = replace(entry.request, name=_ANY_NAME)
+        key = entry.alike
+        if key is None:
+            key = entry.alike = replace(entry.request, name=_ANY_NAME)
         known = self._memo.get(key)
         if known is not None:
             self.stats.attempts_skipped += 1
