@@ -33,6 +33,7 @@ from gpuplane.kube.objects import SCHEDULER_NAME, format_time
 from gpuplane.kube.observed import KubeSchedulerLease, OwnPods, scheduled_by
 from gpuplane.kube.scheduler_mode import SchedulerMode
 from gpuplane.model import default_catalog
+from gpuplane.port import PodPhase
 from gpuplane.port.metrics import (
     ATTEMPTS,
     EXTENDER_DURATION,
@@ -127,8 +128,11 @@ def test_scheduler_mode_exports_its_queue_decisions_latency_and_leadership(serve
     # big asks 8 cards of a 4-card node; c asks 1 of none left: both stay pending, created 30 s ago.
     server.api.create(PODS, gpu_pod("big", 8, cls="batch", created=T0 - 30))
     server.api.create(PODS, gpu_pod("c", 1, cls="prod", created=T0 - 30))
-    # Another scheduler's pending pod is not gpuplane's queue.
-    server.api.create(PODS, gpu_pod("theirs", 1, cls="prod", scheduler="default-scheduler", created=T0 - 500))
+    # Another scheduler's pending pod (CPU only) is not gpuplane's queue.
+    theirs = pod_json("theirs", limits={"cpu": "1"})
+    theirs["spec"].update(schedulerName="default-scheduler", priorityClassName="prod")
+    theirs["metadata"]["creationTimestamp"] = format_time(T0 - 500)
+    server.api.create(PODS, theirs)
     wait_for(lambda: all(events(server, n, "FailedScheduling") for n in ("big", "c")), step)
     wait_for(lambda: mode.cluster is not None and mode.cluster.get_pod("default/theirs") is not None, step)
     mode.tick()
@@ -155,6 +159,17 @@ def test_scheduler_mode_exports_its_queue_decisions_latency_and_leadership(serve
     # n0's 4 cards are all held (2 + 2).
     assert total(s, GPUS) == 4 and sum(v for (n, labels), v in s.items()
                                        if n == GPUS and ("state", "full") in labels) == 4
+    # The other scheduler binds its pod (500 s after creation): not gpuplane's latency, and still not pending.
+    server.api.create(f"{PODS}/theirs/binding", {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "theirs"},
+                                                 "target": {"apiVersion": "v1", "kind": "Node", "name": "n0"}})
+
+    def theirs_bound() -> bool:
+        info = mode.cluster.get_pod("default/theirs") if mode.cluster is not None else None
+        return info is not None and info.phase is not PodPhase.PENDING
+
+    wait_for(theirs_bound, step)
+    s = scrape(port)
+    assert get(s, POD_SCHEDULING_DURATION + "_count") == 2 and total(s, PENDING_PODS) == 2
 
     # Another replica takes the lease: this one stands down, says so, and its cluster figures leave the scrape
     # (the counts it made stay).
@@ -365,3 +380,34 @@ def test_the_scheduler_command_serves_its_metrics(server: FakeApiServer, tmp_pat
         child.terminate()
         child.wait(timeout=WAIT_S)
     assert child.returncode == 0
+
+
+def test_the_extender_command_serves_its_metrics(server: FakeApiServer, tmp_path: Path) -> None:
+    server.add_node(node_json("n0", cards=4))
+    server.api.create(PODS, gpu_pod("p", 1, scheduler=SCHEDULER_NAME, created=T0))
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gpuplane.cli.main", "extender", "--kubeconfig", str(kubeconfig), "--port", "0",
+         "--metrics-port", "0", "--observe", "always"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert child.stderr is not None
+        url = port = None
+        for line in child.stderr:
+            if (found := re.search(r"metrics on :(\d+)/metrics", line)) is not None:
+                port = int(found.group(1))
+            if (served := re.search(r"extender on (http://\S+)", line)) is not None:
+                url = served.group(1)
+            if url is not None and port is not None:
+                break
+        assert url is not None and port is not None, "the command never said where it serves"
+        assert get(scrape(port), PENDING_PODS, priority_class="none", queue="none") == 1
+        code, answer = _post(url, "filter", json.dumps({"Pod": server.get("pods", "default/p"),
+                                                        "NodeNames": ["n0"]}).encode())
+        assert code == 200 and answer["NodeNames"] == ["n0"]
+        s = scrape(port)
+        assert get(s, EXTENDER_REQUESTS, verb="filter", result="ok") == 1
+        assert get(s, ATTEMPTS, result="scheduled") == 1
+    finally:
+        child.terminate()
+        child.wait(timeout=WAIT_S)
