@@ -1,0 +1,159 @@
+"""The DRA device classes (deploy/dra/deviceclasses.yaml): they pass the strict v1 schema, and their CEL selectors,
+evaluated with a CEL library (cel-python) over the devices of the node's ResourceSlices in Kubernetes' device
+environment (`device.driver`, `device.attributes[domain]`, `device.capacity[domain]` as quantities,
+`device.allowMultipleAllocations`), pick each kind of device exactly; the KEP-5004 extended-resource mapping;
+the worked example's request selectors (tests/fixtures/dra_example.yaml)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import celpy
+import kubernetes_validate
+import pytest
+import yaml
+from celpy import celtypes
+
+from gpuplane.kube.objects import RES_GPU, quantity
+from gpuplane.model import MigMode, default_catalog
+from gpuplane.node.dra_slices import DRIVER, DeviceKind, SliceSettings, parse_device_name, resource_slices
+from gpuplane.node.gpu import GIB, FakeGpuBackend
+
+ROOT = Path(__file__).parent.parent
+CLASSES = [d for d in yaml.safe_load_all((ROOT / "deploy" / "dra" / "deviceclasses.yaml").read_text()) if d]
+EXAMPLE = [d for d in yaml.safe_load_all((Path(__file__).parent / "fixtures" / "dra_example.yaml").read_text()) if d]
+A100 = default_catalog().get("A100-80GB")
+CEL = celpy.Environment()
+
+
+def _quantity(raw: str) -> celtypes.IntType:
+    return celtypes.IntType(int(quantity(str(raw), "cel", "quantity")))
+
+
+def _compare_to(a: celtypes.IntType, b: celtypes.IntType) -> celtypes.IntType:
+    return celtypes.IntType((a > b) - (a < b))
+
+
+FUNCTIONS = {"quantity": _quantity, "compareTo": _compare_to}
+
+
+def activation(driver: str, device: dict[str, Any]) -> dict[str, Any]:
+    """`device` as Kubernetes' DRA CEL environment shows it: attributes and capacity by domain (an unqualified
+    name is in the driver's domain), capacity as quantities (here: whole base units)."""
+    attributes: dict[str, dict[str, Any]] = {}
+    for name, value in device.get("attributes", {}).items():
+        domain, _, short = name.rpartition("/")
+        [(_, plain)] = value.items()
+        attributes.setdefault(domain or driver, {})[short] = plain
+    capacity: dict[str, dict[str, Any]] = {}
+    for name, value in device.get("capacity", {}).items():
+        domain, _, short = name.rpartition("/")
+        capacity.setdefault(domain or driver, {})[short] = int(quantity(value["value"], "cel", name))
+    cel = celpy.json_to_cel({"driver": driver, "attributes": attributes, "capacity": capacity,
+                             "allowMultipleAllocations": bool(device.get("allowMultipleAllocations", False))})
+    return {"device": cel}
+
+
+def matches(selectors: list[dict[str, Any]], driver: str, device: dict[str, Any]) -> bool:
+    """Every selector true (evaluated in order, the first false one ends it); an evaluation error raises, as it
+    fails the allocation in Kubernetes."""
+    for selector in selectors:
+        program = CEL.program(CEL.compile(selector["cel"]["expression"]), functions=FUNCTIONS)
+        result = program.evaluate(activation(driver, device))
+        if isinstance(result, Exception):
+            raise result
+        if not bool(result):
+            return False
+    return True
+
+
+def node_devices(mode: MigMode = MigMode.DYNAMIC) -> dict[str, dict[str, Any]]:
+    infos = FakeGpuBackend(2, 80 * GIB, name="NVIDIA A100-SXM4-80GB", mig_model=A100).describe()
+    slices = resource_slices(infos, A100, SliceSettings("node-a", mig_mode=mode))
+    return {d["name"]: d for s in slices for d in s["spec"].get("devices", [])}
+
+
+def chosen(class_name: str, devices: dict[str, dict[str, Any]], driver: str = DRIVER,
+           extra: list[dict[str, Any]] | None = None) -> set[str]:
+    [cls] = [c for c in CLASSES if c["metadata"]["name"] == class_name]
+    selectors = cls["spec"]["selectors"] + (extra or [])
+    return {n for n, d in devices.items() if matches(selectors, driver, d)}
+
+
+KIND_OF_CLASS = {"gpu.gpuplane.io": DeviceKind.CARD, "mig.gpu.gpuplane.io": DeviceKind.MIG,
+                 "vgpu.gpu.gpuplane.io": DeviceKind.VGPU}
+
+
+@pytest.mark.parametrize("doc", CLASSES + EXAMPLE, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+@pytest.mark.parametrize("version", ["1.34", "1.35"])
+def test_the_manifests_pass_the_strict_schema(doc: dict[str, Any], version: str) -> None:
+    assert kubernetes_validate.validate(doc, version, strict=True) == version
+
+
+@pytest.mark.parametrize(("name", "kind"), sorted(KIND_OF_CLASS.items(), key=lambda kv: kv[0]))
+def test_each_class_picks_exactly_its_kind_of_device(name: str, kind: DeviceKind) -> None:
+    devices = node_devices()
+    expected = {n for n in devices if (r := parse_device_name(n)) is not None and r.kind is kind}
+    assert chosen(name, devices) == expected
+    # 2 cards: 2 whole cards, 2 x 25 MIG placements, 2 vGPU devices
+    assert len(expected) == {DeviceKind.CARD: 2, DeviceKind.MIG: 50, DeviceKind.VGPU: 2}[kind]
+
+
+def test_the_classes_cover_every_device_once() -> None:
+    devices = node_devices()
+    picked = [n for name in KIND_OF_CLASS for n in chosen(name, devices)]
+    assert sorted(picked) == sorted(devices)
+    assert {c["metadata"]["name"] for c in CLASSES} == set(KIND_OF_CLASS)
+
+
+def test_another_driver_s_devices_match_no_class() -> None:
+    devices = node_devices()
+    assert all(chosen(name, devices, driver="gpu.nvidia.com") == set() for name in KIND_OF_CLASS)
+
+
+def test_the_whole_card_class_is_the_extended_resource_gpuplane_io_gpu() -> None:
+    mapped = {c["metadata"]["name"]: c["spec"].get("extendedResourceName") for c in CLASSES}
+    assert mapped == {"gpu.gpuplane.io": RES_GPU, "mig.gpu.gpuplane.io": None, "vgpu.gpu.gpuplane.io": None}
+    assert RES_GPU == "gpuplane.io/gpu"
+
+
+def test_a_selector_naming_an_attribute_no_device_has_fails_the_evaluation() -> None:
+    # the check above can fail: a misspelt attribute is an evaluation error, not a silent non-match
+    devices = node_devices()
+    with pytest.raises(celpy.CELEvalError):
+        typo = 'device.attributes["gpu.gpuplane.io"].modle == "x"'
+        chosen("gpu.gpuplane.io", devices, extra=[{"cel": {"expression": typo}}])
+
+
+def _requests(template: str) -> list[dict[str, Any]]:
+    [doc] = [d for d in EXAMPLE if d["kind"] == "ResourceClaimTemplate" and d["metadata"]["name"] == template]
+    return [r["exactly"] for r in doc["spec"]["spec"]["devices"]["requests"]]
+
+
+def test_the_example_s_mig_request_picks_the_3g_placements() -> None:
+    [request] = _requests("one-3g")
+    picked = chosen(request["deviceClassName"], node_devices(), extra=request["selectors"])
+    assert picked == {"gpu-0-mig-9-0", "gpu-0-mig-9-4", "gpu-1-mig-9-0", "gpu-1-mig-9-4"}  # starts 0 and 4
+
+
+@pytest.mark.parametrize(("memory", "expected"), [(80, {"gpu-0", "gpu-1"}), (40, set())])
+def test_the_example_s_big_card_request_compares_the_memory_quantity(memory: int, expected: set[str]) -> None:
+    [request] = _requests("big-card")
+    infos = FakeGpuBackend(2, memory * GIB, name="NVIDIA A100-SXM4-80GB").describe()
+    slices = resource_slices(infos, A100, SliceSettings("node-a", mig_mode=MigMode.OFF))
+    devices = {d["name"]: d for s in slices for d in s["spec"]["devices"]}
+    assert chosen(request["deviceClassName"], devices, extra=request["selectors"]) == expected
+
+
+def test_the_example_s_vgpu_request_fits_the_device_s_capacity_and_policy() -> None:
+    [request] = _requests("quarter-card")
+    devices = node_devices()
+    [name] = chosen(request["deviceClassName"], devices) & {"gpu-0-vgpu"}
+    capacity = devices[name]["capacity"]
+    for key, raw in request["capacity"]["requests"].items():
+        asked, policy = quantity(raw, "", key), capacity[key]["requestPolicy"]["validRange"]
+        low, high, step = (quantity(policy[k], "", k) for k in ("min", "max", "step"))
+        assert low <= asked <= high and (asked - low) % step == Decimal(0)
+    assert quantity("20Gi", "", "") == 20480 * (1 << 20)  # the share HAMi-core limits to 20480 MiB
