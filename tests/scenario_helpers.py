@@ -39,7 +39,7 @@ def capture_settings(monkeypatch: pytest.MonkeyPatch, model: type[M]) -> list[M]
     seen: list[M] = []
 
     def fake(scenario: object, settings: BaseModel, seeds: object, out_dir: Path, err: object,
-             quiet: bool) -> tuple[None, Path, float]:
+             quiet: bool, jobs: int = 1) -> tuple[None, Path, float]:
         assert isinstance(settings, model)
         seen.append(settings)
         return None, out_dir / "report.html", 0.0
