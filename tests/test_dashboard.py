@@ -229,7 +229,6 @@ def test_a_1000_node_cluster_paints_within_a_second(chromium: Chromium) -> None:
         with DevToolsPage(1400, 1000) as page:
             page.navigate(server.url)
             first = float(page.wait_for("document.body && document.body.dataset.firstPaintMs", timeout_s=20))
-            fcp = page.evaluate("document.body.dataset.fcpMs")
             page.wait_for("+document.body.dataset.events >= 6", timeout_s=30)
             arrivals = [float(a) for a in page.evaluate("document.body.dataset.arrivals").split(",")]
             page.evaluate("document.querySelector('.n[data-n=\"50\"]').click()")  # the detail of a node in repair
@@ -239,7 +238,7 @@ def test_a_1000_node_cluster_paints_within_a_second(chromium: Chromium) -> None:
             out.write_bytes(shot.path.read_bytes())
             shrink_png(out, 64)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    print(f"1000 nodes: first paint {first:.0f} ms (first contentful paint {fcp} ms), update gaps {min(gaps):.0f}..{max(gaps):.0f} ms")
+    print(f"1000 nodes: first paint {first:.0f} ms, update gaps {min(gaps):.0f}..{max(gaps):.0f} ms")
     assert first <= 1000.0, first  # the target: first paint within 1 s
     assert max(gaps) <= 1000.0, gaps
 

@@ -24,6 +24,10 @@ SAMPLE_S = 300.0
 """Virtual seconds between two history samples of a simulated world."""
 
 
+class Stopped(Exception):
+    """Raised by the pacer inside the world's loop to end a run that `PacedWeek.stop` asked to stop."""
+
+
 class PacedWeek:
     """The platform week's platform arm, `speed` virtual seconds per wall second (see the module docstring)."""
 
@@ -39,6 +43,7 @@ class PacedWeek:
         self.board: Board | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="platform-week", daemon=True)
 
     def start(self, timeout_s: float = 120.0) -> Board:
@@ -48,9 +53,17 @@ class PacedWeek:
             raise RuntimeError(f"the platform week did not build its world: {self.error!r}")
         return self.board
 
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the run at the pacer's next tick (the board keeps its last state)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
     def _run(self) -> None:
         try:
             run_arm(self.settings, on_world=self._attach)
+        except Stopped:
+            if self.board is not None:
+                self.board.status = "stopped"
         except BaseException as exc:  # the page says the run stopped; the server goes on
             self.error = exc
             if self.board is not None:
@@ -82,6 +95,8 @@ class PacedWeek:
         next_sample = [virtual0]
 
         def pace() -> None:
+            if self._stop.is_set():
+                raise Stopped
             now = loop.now()
             if now >= next_sample[0]:
                 board.sample()
@@ -118,4 +133,4 @@ class Sampler:
         self._stop.set()
 
 
-__all__ = ["SAMPLE_S", "PacedWeek", "Sampler"]
+__all__ = ["SAMPLE_S", "PacedWeek", "Sampler", "Stopped"]

@@ -197,8 +197,6 @@
   draw(JSON.parse($("initial-state").textContent));
   requestAnimationFrame(() => requestAnimationFrame(() => {
     document.body.dataset.firstPaintMs = performance.now().toFixed(1);
-    const fcp = performance.getEntriesByName("first-contentful-paint")[0];
-    if (fcp) document.body.dataset.fcpMs = fcp.startTime.toFixed(1);
   }));
   // ?updates=N closes the stream after N updates (0: a still page), for a browser under a virtual clock
   const params = new URLSearchParams(location.search);
