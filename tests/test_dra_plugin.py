@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
+from gpuplane.kube import localapi
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.model import default_catalog
 from gpuplane.node.allocation import AllocationSettings
 from gpuplane.node.dra_plugin import (
@@ -23,7 +25,9 @@ from gpuplane.node.dra_plugin import (
     PLUGIN_TYPE,
     DraPlugin,
     DraSettings,
+    KubeClaimSource,
     MemoryClaimSource,
+    claim_path,
     dra_protocol,
     registration_protocol,
 )
@@ -279,3 +283,25 @@ def test_the_settings_put_sockets_where_kubelet_looks() -> None:
     assert str(settings.registration_socket) == f"/var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
     assert str(settings.endpoint) == f"/var/lib/kubelet/plugins/{DRIVER}/dra.sock"
     assert replace(settings, driver="x.io").pool == NODE
+
+
+def test_the_claim_is_read_from_the_api_server(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the local API server serves resource.k8s.io only when told of it (not among its built-in resources yet)
+    monkeypatch.setitem(localapi.BUILTIN, ("resource.k8s.io", "resourceclaims"),
+                        ("ResourceClaim", "resource.k8s.io/v1"))
+    with FakeApiServer() as server:
+        stored = server.add_object(claim_path("team", ""), claim("train", "", ("gpu", "gpu-0")))
+        uid = stored["metadata"]["uid"]
+        backend = FakeGpuBackend(1, 80 * GIB, name="NVIDIA A100-SXM4-80GB")
+        settings = DraSettings(NODE, registry_dir=root / "reg", plugins_dir=root / "plugins", cdi_dir=root / "cdi")
+        plugin = DraPlugin(settings, backend, KubeClaimSource(server.api))
+        plugin.start()
+        kubelet = Kubelet(settings.registration_socket)
+        try:
+            entry = kubelet.prepare(("team", "train", uid)).claims[uid]
+            assert (entry.error, [d.device_name for d in entry.devices]) == ("", ["gpu-0"])
+            missing = kubelet.prepare(("team", "gone", "uid-x")).claims["uid-x"]
+            assert "cannot read ResourceClaim team/gone" in missing.error
+        finally:
+            kubelet.close()
+            plugin.stop()

@@ -18,12 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuplane.kube import localapi
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import quantity
 from gpuplane.model import MigMode, default_catalog
 from gpuplane.model.mig import mig_layout_problems
 from gpuplane.node.dra_slices import (
+    API_VERSION,
     DRIVER,
+    NODE_LABEL,
     PCIE_ROOT,
+    RESOURCE_SLICES,
     TAINT_UNHEALTHY,
     DeviceKind,
     DeviceRef,
@@ -33,6 +38,7 @@ from gpuplane.node.dra_slices import (
     device_name,
     parse_device_name,
     pcie_root,
+    publish_slices,
     resource_slices,
     semver,
 )
@@ -285,3 +291,33 @@ def test_every_combination_of_settings_builds() -> None:
         slices = resource_slices(infos, A100, SliceSettings("n", split=split, mig_mode=mode, unhealthy=policy),
                                  health={"GPU-fake-0": False})
         assert all(unknown_fields(s, "ResourceSlice") == [] for s in slices)
+
+
+def test_publishing_writes_the_pool_once_per_change_and_deletes_what_is_no_longer_wanted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the local API server serves resource.k8s.io only when told of it (not among its built-in resources yet)
+    monkeypatch.setitem(localapi.BUILTIN, ("resource.k8s.io", "resourceslices"), ("ResourceSlice", API_VERSION))
+    infos = a100_node(9)
+    with FakeApiServer() as server:
+        other = resource_slices(a100_node(1), A100, SliceSettings("node-b"))
+        assert publish_slices(server.api, "node-b", other) == 1
+        first = resource_slices(infos, A100, SliceSettings("node-a"))
+        assert publish_slices(server.api, "node-a", first) == 1
+        assert publish_slices(server.api, "node-a", resource_slices(infos, A100, SliceSettings("node-a"))) is None
+
+        def stored(node: str) -> list[dict[str, Any]]:
+            return server.api.list(RESOURCE_SLICES, label_selector=f"{NODE_LABEL}={node}")[0]
+
+        assert sorted(s["metadata"]["name"] for s in stored("node-a")) == sorted(s["metadata"]["name"] for s in first)
+        # card 8 left out: 8 counter sets fit one slice, 8 x 27 = 216 devices fit 4 slices: 5 slices, not 6
+        health = {i.uuid: i.index != 8 for i in infos}
+        fewer = resource_slices(infos, A100, SliceSettings("node-a", unhealthy=UnhealthyPolicy.OMIT), health=health)
+        assert len(first) == 6 and len(fewer) == 5
+        assert publish_slices(server.api, "node-a", fewer) == 2
+        now = stored("node-a")
+        assert len(now) == 5 and {s["spec"]["pool"]["generation"] for s in now} == {2}
+        assert {s["spec"]["pool"]["resourceSliceCount"] for s in now} == {5}
+        first_slice = next(s for s in now if s["metadata"]["name"].endswith("-0"))
+        assert "devices" not in first_slice["spec"] and len(first_slice["spec"]["sharedCounters"]) == 8
+        assert not any(d["name"].startswith("gpu-8") for s in now for d in s["spec"].get("devices", []))
+        assert len(stored("node-b")) == len(other)  # another node's pool is left alone

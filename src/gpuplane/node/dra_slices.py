@@ -25,10 +25,14 @@ then the devices (at most 64 per slice, the limit for devices that consume count
 slice with `nodeName` and the pool's `resourceSliceCount`. An unhealthy card (`card_health`) is left out with its
 counter set (`UnhealthyPolicy.OMIT`) or keeps its devices with taint `gpu.gpuplane.io/unhealthy`, effect
 NoSchedule (`UnhealthyPolicy.TAINT`).
+
+`publish_slices` writes the pool to the API server: the node's slices carry label `gpu.gpuplane.io/node`; a pool
+that changed is written whole with the next generation, and slices no longer wanted are deleted.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import os
 import re
@@ -38,14 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from gpuplane.controllers.health import CRITICAL_XIDS
+from gpuplane.kube.api import KubeApi
 from gpuplane.model import MILLI_PER_CARD, CardModel, MigMode, MigProfile
 from gpuplane.node.device_plugin import _nvlink_groups
 from gpuplane.node.gpu import CardInfo, GpuBackend, GpuBackendError
 
 __all__ = [
-    "API_VERSION", "DRIVER", "MAX_COUNTER_SETS", "MAX_DEVICES", "PCIE_ROOT", "TAINT_UNHEALTHY", "DeviceKind",
-    "DeviceRef", "SliceSettings", "UnhealthyPolicy", "card_health", "counter_set_name", "device_name",
-    "parse_device_name", "pcie_root", "resource_slices", "semver",
+    "API_VERSION", "DRIVER", "MAX_COUNTER_SETS", "MAX_DEVICES", "NODE_LABEL", "PCIE_ROOT", "RESOURCE_SLICES",
+    "TAINT_UNHEALTHY", "DeviceKind", "DeviceRef", "SliceSettings", "UnhealthyPolicy", "card_health",
+    "counter_set_name", "device_name", "parse_device_name", "pcie_root", "publish_slices", "resource_slices",
+    "semver",
 ]
 
 API_VERSION = "resource.k8s.io/v1"
@@ -57,6 +63,9 @@ MAX_DEVICES = 64
 MAX_COUNTER_SETS = 8
 """ResourceSliceMaxCounterSets."""
 TAINT_UNHEALTHY = f"{DRIVER}/unhealthy"
+NODE_LABEL = f"{DRIVER}/node"
+"""The label naming the node on each of its slices (the publisher lists them by it)."""
+RESOURCE_SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 MIB = 1 << 20
 
 
@@ -287,7 +296,7 @@ def resource_slices(infos: Sequence[CardInfo], model: CardModel, settings: Slice
     slices = []
     for k, content in enumerate(specs):
         metadata: dict[str, Any] = {"name": f"{node}-{settings.driver}-{k}",
-                                    "labels": {"app.kubernetes.io/managed-by": "gpuplane"}}
+                                    "labels": {"app.kubernetes.io/managed-by": "gpuplane", NODE_LABEL: node}}
         if settings.node_uid is not None:
             metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node,
                                             "uid": settings.node_uid, "controller": True}]
@@ -297,3 +306,33 @@ def resource_slices(infos: Sequence[CardInfo], model: CardModel, settings: Slice
         slices.append({"apiVersion": API_VERSION, "kind": "ResourceSlice", "metadata": metadata, "spec": spec})
     return slices
 
+
+
+def _content(obj: Mapping[str, Any]) -> Any:
+    """A slice without its pool generation (what changes it)."""
+    spec = copy.deepcopy(dict(obj["spec"]))
+    spec["pool"] = {**spec["pool"], "generation": 0}
+    return obj["metadata"]["name"], spec
+
+
+def publish_slices(api: KubeApi, node: str, slices: Sequence[Mapping[str, Any]]) -> int | None:
+    """Make the node's slices in the cluster (those labelled `NODE_LABEL`=`node`) these: nothing when they are
+    already (None); else every slice written with the next pool generation (one above the highest found),
+    slices no longer wanted deleted, and that generation returned. A slice is replaced whole (a JSON patch of
+    its spec), so a slice that turns from devices to counters keeps nothing of the old."""
+    existing = {s["metadata"]["name"]: s for s in api.list(RESOURCE_SLICES, label_selector=f"{NODE_LABEL}={node}")[0]}
+    if sorted(map(_content, existing.values())) == sorted(map(_content, slices)):
+        return None
+    generation = max((int(s["spec"]["pool"]["generation"]) for s in existing.values()), default=0) + 1
+    for wanted in slices:
+        obj = copy.deepcopy(dict(wanted))
+        obj["spec"]["pool"]["generation"] = generation
+        name = obj["metadata"]["name"]
+        if name in existing:
+            api.patch(f"{RESOURCE_SLICES}/{name}", [{"op": "replace", "path": "/spec", "value": obj["spec"]}],
+                      patch_type="json")
+        else:
+            api.create(RESOURCE_SLICES, obj)
+    for name in sorted(set(existing) - {s["metadata"]["name"] for s in slices}):
+        api.delete(f"{RESOURCE_SLICES}/{name}")
+    return generation
