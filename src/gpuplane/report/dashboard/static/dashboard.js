@@ -17,6 +17,10 @@
     return "day " + (day + 1) + " " + String(h).padStart(2, "0") + ":" + String(m).padStart(2, "0");
   }
 
+  function waited(s) {
+    return s < 120 ? Math.round(s) + " s" : s < 7200 ? Math.round(s / 60) + " min" : (s / 3600).toFixed(1) + " h";
+  }
+
   function cardClass(card, holders) {
     const [milli, held] = card;
     if (milli <= 0) return "o0";
@@ -105,12 +109,12 @@
     }));
     rows("repair", s.nodes.filter((n) => n[3] !== "healthy").map((n) => [esc(n[0]), esc(n[1]), esc(n[3])]));
     const pend = s.pending.filter((p) => !team || p[2] === team);
-    rows("pending", pend.map((p) => [esc(p[0]), esc(p[1]), esc(p[2]), Math.round(p[3]) + " s", esc(p[4])]));
+    rows("pending", pend.map((p) => [esc(p[0]), esc(p[1]), esc(p[2]), waited(p[3]), esc(p[4])]));
     $("pending-note").textContent = s.pending_total > s.pending.length ? "(oldest " + s.pending.length + " of " + s.pending_total + ")" : "";
   }
 
   function chart(id, times, series, opts) {
-    const svg = $(id), W = 420, H = 150, L = 30, R = 8, T = 8, B = 18;
+    const svg = $(id), W = 420, H = 150, L = 30, R = 118, T = 8, B = 18;  // the legend right of the plot
     if (!times.length) { svg.innerHTML = '<text x="150" y="80">no samples yet</text>'; return; }
     const t0 = times[0], t1 = Math.max(times[times.length - 1], t0 + 1);
     let ymax = opts && opts.ymax ? opts.ymax : 1;
@@ -121,6 +125,7 @@
       '<text x="2" y="' + (T + 8) + '">' + +ymax.toFixed(1) + "</text>", '<text x="18" y="' + (H - B) + '">0</text>',
       '<text x="' + L + '" y="' + (H - 4) + '">' + clock(t0) + "</text>",
       '<text x="' + (W - R) + '" y="' + (H - 4) + '" text-anchor="end">' + clock(t1) + "</text>"];
+    const lx = W - R + 8;
     let ly = T + 8;
     for (const se of series) {
       const pts = [];
@@ -130,9 +135,9 @@
       if (last !== null && last !== undefined) {
         out.push('<circle r="2.5" fill="' + se.colour + '" cx="' + x(times[times.length - 1]).toFixed(1) + '" cy="' + y(last).toFixed(1) + '"/>');
       }
-      out.push('<text x="' + (L + 6) + '" y="' + ly + '" style="fill:' + se.colour + '">' + esc(se.name) +
+      out.push('<text x="' + lx + '" y="' + ly + '" style="fill:' + se.colour + '">' + esc(se.name) +
                (last === null || last === undefined ? "" : " " + +last.toFixed(1)) + "</text>");
-      ly += 10;
+      ly += 11;
     }
     svg.innerHTML = out.join("");
   }
