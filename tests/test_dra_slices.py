@@ -32,6 +32,7 @@ from gpuplane.node.dra_slices import (
     TAINT_UNHEALTHY,
     DeviceKind,
     DeviceRef,
+    SlicePublisher,
     SliceSettings,
     UnhealthyPolicy,
     card_health,
@@ -321,3 +322,26 @@ def test_publishing_writes_the_pool_once_per_change_and_deletes_what_is_no_longe
         assert "devices" not in first_slice["spec"] and len(first_slice["spec"]["sharedCounters"]) == 8
         assert not any(d["name"].startswith("gpu-8") for s in now for d in s["spec"].get("devices", []))
         assert len(stored("node-b")) == len(other)  # another node's pool is left alone
+
+
+def test_the_publisher_follows_the_cards_health(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(localapi.BUILTIN, ("resource.k8s.io", "resourceslices"), ("ResourceSlice", API_VERSION))
+    backend = FakeGpuBackend(2, 80 * GIB, name="NVIDIA A100-SXM4-80GB", mig_model=A100)
+    with FakeApiServer() as server:
+        publisher = SlicePublisher(server.api, backend, backend.describe, A100, SliceSettings("node-a"))
+
+        def tainted() -> set[int]:
+            stored = server.api.list(RESOURCE_SLICES, label_selector=f"{NODE_LABEL}=node-a")[0]
+            return {d["attributes"]["index"]["int"] for s in stored for d in s["spec"].get("devices", [])
+                    if d.get("taints")}
+
+        assert (publisher.tick(), publisher.tick(), tainted()) == (1, None, set())
+        backend.set_xid(0, 48)  # Xid 48: double-bit ECC error (critical)
+        assert (publisher.tick(), tainted()) == (2, {0})
+        backend.set_xid(0, 0)
+        assert (publisher.tick(), tainted()) == (3, set())
+        publisher.settings = SliceSettings("node-a", mig_mode=MigMode.OFF)  # the pool's MIG mode changed
+        assert publisher.tick() == 4
+        stored = server.api.list(RESOURCE_SLICES, label_selector=f"{NODE_LABEL}=node-a")[0]
+        assert sorted(d["name"] for s in stored for d in s["spec"]["devices"]) == [
+            "gpu-0", "gpu-0-vgpu", "gpu-1", "gpu-1-vgpu"]

@@ -28,15 +28,17 @@ NoSchedule (`UnhealthyPolicy.TAINT`).
 
 `publish_slices` writes the pool to the API server: the node's slices carry label `gpu.gpuplane.io/node`; a pool
 that changed is written whole with the next generation, and slices no longer wanted are deleted.
+`SlicePublisher.tick` (the node agent's loop) reads the cards and their health and publishes.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +50,30 @@ from gpuplane.node.device_plugin import _nvlink_groups
 from gpuplane.node.gpu import CardInfo, GpuBackend, GpuBackendError
 
 __all__ = [
-    "API_VERSION", "DRIVER", "MAX_COUNTER_SETS", "MAX_DEVICES", "NODE_LABEL", "PCIE_ROOT", "RESOURCE_SLICES",
-    "TAINT_UNHEALTHY", "DeviceKind", "DeviceRef", "SliceSettings", "UnhealthyPolicy", "card_health",
-    "counter_set_name", "device_name", "parse_device_name", "pcie_root", "publish_slices", "resource_slices",
+    "API_VERSION",
+    "DRIVER",
+    "MAX_COUNTER_SETS",
+    "MAX_DEVICES",
+    "NODE_LABEL",
+    "PCIE_ROOT",
+    "RESOURCE_SLICES",
+    "TAINT_UNHEALTHY",
+    "DeviceKind",
+    "DeviceRef",
+    "SlicePublisher",
+    "SliceSettings",
+    "UnhealthyPolicy",
+    "card_health",
+    "counter_set_name",
+    "device_name",
+    "parse_device_name",
+    "pcie_root",
+    "publish_slices",
+    "resource_slices",
     "semver",
 ]
+
+log = logging.getLogger(__name__)
 
 API_VERSION = "resource.k8s.io/v1"
 DRIVER = "gpu.gpuplane.io"
@@ -336,3 +357,31 @@ def publish_slices(api: KubeApi, node: str, slices: Sequence[Mapping[str, Any]])
     for name in sorted(set(existing) - {s["metadata"]["name"] for s in slices}):
         api.delete(f"{RESOURCE_SLICES}/{name}")
     return generation
+
+
+class SlicePublisher:
+    """Keeps the node's pool in the API server in step with its cards: each `tick` reads the cards (the last
+    description stands while the backend cannot describe them) and their health, builds the slices and
+    publishes them. `settings` may be replaced between ticks (a new split or MIG mode from the node's GpuPool)."""
+
+    def __init__(self, api: KubeApi, backend: GpuBackend, describe: Callable[[], list[CardInfo]], model: CardModel,
+                 settings: SliceSettings, *, pcie_roots: Mapping[int, str] | None = None) -> None:
+        self.api = api
+        self.backend = backend
+        self._describe = describe
+        self.model = model
+        self.settings = settings
+        self._pcie_roots = pcie_roots
+        self._infos: list[CardInfo] = []
+
+    def tick(self) -> int | None:
+        """The generation written, or None when the pool in the cluster was already this."""
+        try:
+            self._infos = self._describe()
+        except GpuBackendError as exc:
+            if not self._infos:
+                raise
+            log.warning("cannot describe the cards (%s): publishing the last description", exc)
+        health = card_health(self.backend, self._infos)
+        slices = resource_slices(self._infos, self.model, self.settings, health=health, pcie_roots=self._pcie_roots)
+        return publish_slices(self.api, self.settings.node_name, slices)
