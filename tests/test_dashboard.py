@@ -252,6 +252,20 @@ def test_a_node_in_repair_screenshot(small: tuple[World, Board, str]) -> None:
         detail = page.wait_for("document.getElementById('detail').textContent")
         assert "a100-1" in detail and "health quarantined" in detail and "cordoned" in detail
         assert "dev-0 (best-effort, dev, team team-b, 0.25 card)" in detail
+        # hover: t4-0's card 0 names its two holders
+        title = page.evaluate("(() => { const c = document.querySelector('.n[data-n=\"2\"] .c');"
+                              "c.dispatchEvent(new MouseEvent('mouseover', {bubbles: true})); return c.title; })()")
+        assert title == ("t4-0 card 0: inf-0 (online, online, team (none), 0.50 card); "
+                         "inf-1 (online, online, team (none), 0.50 card)")
+        # the team filter dims the 12 - 2 cards team-b does not hold (a100-0's MIG card, a100-1's card 0)
+        choose = ("(v, id) => { const s = document.getElementById(id); s.value = v; "
+                  "s.dispatchEvent(new Event('change')); }")
+        page.evaluate(f"({choose})('team-b', 'f-team')")
+        assert page.evaluate("document.querySelectorAll('#map .c.dim').length") == 10
+        assert page.evaluate("document.querySelectorAll('#pending tbody tr').length") == 0  # big-* are team-a's
+        page.evaluate(f"({choose})('', 'f-team'); ({choose})('inference', 'f-pool')")
+        assert page.evaluate("document.querySelectorAll('#map .n').length") == 1  # t4-0 alone
+        page.evaluate(f"({choose})('', 'f-pool')")
         out = DOCS_IMG / "dashboard-repair.png"
         page.screenshot(artefact_path("dashboard-repair.png"))
         page.screenshot(out)
@@ -288,3 +302,22 @@ def test_cards_by_state_add_up_and_no_card_is_over_full(pods: list[tuple[int, in
     assert totals["free"] + totals["partial"] + totals["full"] == 4
     assert totals["full"] == sum(u == 1000 for u in used) and totals["free"] == sum(u == 0 for u in used)
     assert all(c[0] <= 1000 for n in board.state()["nodes"] for c in n[6])
+
+
+@pytest.mark.parametrize(("reasons", "preemptions", "by_cause"), [
+    ([], 0, {}),
+    (["preempted by train-9"], 1, {"preemption": 1}),
+    # two preemptions, one tidal reclaim: 3 evictions, 2 of them preemptions
+    (["preempted by a", "preempted by b", "tidal reclaim"], 2, {"preemption": 2, "tidal-reclaim": 1}),
+])
+def test_evictions_are_counted_by_cause_from_the_ports_events(reasons: list[str], preemptions: int,
+                                                              by_cause: dict[str, int]) -> None:
+    cluster = SimCluster(CATALOG, [NodeSpec("n", 64000, 256_000, "T4", 4)], loop=EventLoop())
+    board = Board(cluster, CATALOG, now=lambda: 0.0)
+    for k, reason in enumerate(reasons):
+        assert cluster.create_pod(PodRequest(f"p{k}", gpu=WholeCards(1))).ok
+        assert cluster.bind(f"p{k}", Assignment("n", (CardShare(k, 1000, 15_360, whole=True),))).ok
+        assert cluster.evict(f"p{k}", grace_s=30.0, reason=reason).ok
+    point = board.sample()
+    assert (point.preemptions, point.evictions) == (preemptions, len(reasons))
+    assert board.state()["evictions"] == by_cause

@@ -85,6 +85,9 @@ class Board:
         self.reader = reader
         self.title = title
         self.lock = lock if lock is not None else threading.RLock()
+        self._tally = threading.Lock()
+        """Guards `counts` and `reasons` alone: a port's watch thread writes them without `lock`, which a reader
+        holds while it lists the port (taking `lock` there could deadlock against the port's own lock)."""
         self.counts = Counts()
         self.reasons: dict[str, str] = {}
         self.history: deque[Sample] = deque(maxlen=HISTORY_POINTS)
@@ -98,16 +101,17 @@ class Board:
         pod = event.pod
         if pod is None:
             return
-        if event.kind is EventKind.POD_TERMINATING:
-            reason = dict(pod.annotations).get(EVICTION_REASON)
-            if reason is not None:
-                self.counts.evictions[eviction_cause(reason)] += 1
-        elif event.kind in (EventKind.POD_BOUND, EventKind.POD_DELETED, EventKind.POD_FAILED):
-            self.reasons.pop(pod.name, None)
+        with self._tally:
+            if event.kind is EventKind.POD_TERMINATING:
+                reason = dict(pod.annotations).get(EVICTION_REASON)
+                if reason is not None:
+                    self.counts.evictions[eviction_cause(reason)] += 1
+            elif event.kind in (EventKind.POD_BOUND, EventKind.POD_DELETED, EventKind.POD_FAILED):
+                self.reasons.pop(pod.name, None)
 
     def record_outcomes(self, outcomes: Sequence[Outcome]) -> None:
         """Keep why each pod a scheduling pass left pending stayed there (`outcome_reason`)."""
-        with self.lock:
+        with self._tally:
             for outcome in outcomes:
                 if outcome.decision.status.ok:
                     self.reasons.pop(outcome.request.name, None)
@@ -119,11 +123,14 @@ class Board:
         """Append one history point (the world's state now) and return it."""
         with self.lock:
             nodes, pods, now = list(self.port.list_nodes()), list(self.port.list_pods()), self.now()
-            point = self._sample(nodes, pods, now)
+            with self._tally:
+                preemptions, evictions = self.counts.preemptions, sum(self.counts.evictions.values())
+            point = self._sample(nodes, pods, now, preemptions, evictions)
             self.history.append(point)
             return point
 
-    def _sample(self, nodes: Sequence[NodeInfo], pods: Sequence[PodInfo], now: float) -> Sample:
+    def _sample(self, nodes: Sequence[NodeInfo], pods: Sequence[PodInfo], now: float, preemptions: int,
+                evictions: int) -> Sample:
         total = sum(n.spec.gpus for n in nodes) * MILLI_PER_CARD
         held = [p for p in pods if p.assignment is not None and p.phase in HOLDING]
         alloc = sum(p.assignment.gpu_milli for p in held if p.assignment is not None)
@@ -139,7 +146,7 @@ class Board:
             util = 100.0 * busy / total if total and measured else None
         labels = [dict(n.spec.labels) for n in nodes]
         return Sample(now, dict(Counter(n.spec.pool for n in nodes)), sum(LOAN_LABEL in la for la in labels),
-                      self.counts.preemptions, sum(self.counts.evictions.values()),
+                      preemptions, evictions,
                       dict(Counter(la.get(HEALTH_LABEL, HEALTHY) for la in labels)),
                       100.0 * alloc / total if total else 0.0, util)
 
@@ -147,9 +154,9 @@ class Board:
         """Everything the page draws, as JSON-ready data (see `fleet`, `queues`)."""
         with self.lock:
             nodes, pods, now = list(self.port.list_nodes()), list(self.port.list_pods()), self.now()
-            reasons = dict(self.reasons)
             history = [s.json() for s in self.history]
-            evictions = dict(self.counts.evictions)
+            with self._tally:
+                reasons, evictions = dict(self.reasons), dict(self.counts.evictions)
         fleet = self.fleet(nodes, pods)
         return {"title": self.title, "status": self.status, "now": now, "wall": time.time(), **fleet,
                 **self.queues(pods, reasons, now), "evictions": evictions, "history": history}
