@@ -27,6 +27,7 @@ from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
 from gpuplane.kube.operator import HealthServer, Operator, run_operator
 from gpuplane.port import Timer
 from gpuplane.port.clock import WallClock
+from gpuplane.port.metrics import PlaneMetrics
 from gpuplane.scaler.prometheus import PrometheusClient
 from test_scaler_prometheus import EMPTY, StubPrometheus, vector
 
@@ -648,3 +649,29 @@ def test_a_new_operator_makes_the_same_labels_without_flapping(pools: FakeApiSer
         assert not [r for r in pools.requests[since:] if r[0] == "PATCH" and "/gpupools/" in r[1]]  # nor statuses
     finally:
         second.shutdown()
+
+
+def _leader_gauge(metrics: PlaneMetrics) -> float | None:
+    for line in metrics.exposition().decode().splitlines():
+        if line.startswith('gpuplane_leader{component="operator"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_the_leader_gauge_follows_the_lease(server: FakeApiServer) -> None:
+    """Two replicas: the first to tick takes the Lease (gauge 1), the other waits (gauge 0); when the leader
+    shuts down (releasing the Lease), the other takes it on its next tick."""
+    clock = VirtualClock(MIDNIGHT + 12 * HOUR)
+    gauges = {name: PlaneMetrics() for name in ("a", "b")}
+    ops = {name: operator(server, clock, name) for name in ("a", "b")}
+    for name, op in ops.items():
+        op.metrics = gauges[name]
+    ops["a"].tick()
+    ops["b"].tick()
+    assert (_leader_gauge(gauges["a"]), _leader_gauge(gauges["b"])) == (1.0, 0.0)
+    ops["a"].shutdown()
+    assert _leader_gauge(gauges["a"]) == 0.0
+    clock.t += 60.0  # the other's next retry
+    ops["b"].tick()
+    assert _leader_gauge(gauges["b"]) == 1.0
+    ops["b"].shutdown()

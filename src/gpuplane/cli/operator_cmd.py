@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -123,6 +124,9 @@ def register(app: typer.Typer) -> None:
         lease_duration: Annotated[float, typer.Option(help="seconds")] = 15.0,
         renew_deadline: Annotated[float, typer.Option(help="seconds")] = 10.0,
         retry_period: Annotated[float, typer.Option(help="seconds")] = 2.0,
+        metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help=(
+            "serve Prometheus metrics (GET /metrics) on this port: the operator's leader gauge "
+            "(docs/monitoring.md); 0: a free port, logged [default: none]"))] = None,
         health_port: Annotated[int | None, typer.Option(min=0, max=65535, help="serve /healthz on this port")
                                ] = None,
         kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
@@ -181,9 +185,19 @@ def register(app: typer.Typer) -> None:
                 health = HealthServer(health_port).start()
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
+        metrics = None
+        if metrics_port is not None:
+            from gpuplane.port.metrics import PlaneMetrics
+
+            metrics = PlaneMetrics()
+            try:
+                served = metrics.serve(metrics_port)
+            except OSError as exc:
+                fail(f"--metrics-port {metrics_port}: {exc}")
+            logging.getLogger(__name__).info("metrics on :%d/metrics", served)
         try:
             with on_sigterm(stop.set):
-                run_operator(api, config, stop, namespace=watch_namespace, load=load)
+                run_operator(api, config, stop, namespace=watch_namespace, load=load, metrics=metrics)
         except KeyboardInterrupt:
             pass
         finally:

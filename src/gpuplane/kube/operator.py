@@ -79,6 +79,7 @@ from gpuplane.kube.reconcilers import ColocationDistributor, RecoveryFeed, apply
 from gpuplane.model import Assignment, Catalog, GpuplaneError, PodRequest, Taint, default_catalog
 from gpuplane.model.failures import SignatureLibrary, load_signature_library
 from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
+from gpuplane.port.metrics import PlaneMetrics
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,11 @@ class Operator:
     def __init__(self, api: KubeApi, elector: LeaseElector, clock: Clock, *, catalog: Catalog | None = None,
                  cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
                  load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster,
-                 library: SignatureLibrary | None = None, health_policy: HealthPolicy | None = None) -> None:
+                 library: SignatureLibrary | None = None, health_policy: HealthPolicy | None = None,
+                 metrics: PlaneMetrics | None = None) -> None:
         self.api = api
+        self.metrics = metrics
+        """the leader gauge only: the scheduling process's observer counts the cluster (docs/monitoring.md)"""
         self.library = library if library is not None else load_signature_library()
         self.health_policy = health_policy or HealthPolicy()
         self.recovery: RecoveryController | None = None
@@ -210,7 +214,10 @@ class Operator:
 
     def tick(self) -> None:
         """One pass: the election, then (while leader) every resource."""
-        if not self.elector.tick():
+        leader = self.elector.tick()
+        if self.metrics is not None:
+            self.metrics.set_leader("operator", leader)
+        if not leader:
             if self.leading:
                 self._stand_down()
             return
@@ -247,6 +254,8 @@ class Operator:
         self.tidal.clear()
         self.elector.release()
         self._stand_down()
+        if self.metrics is not None:
+            self.metrics.set_leader("operator", False)
 
     # ------------------------------------------------------------------ leadership
     def _take_over(self) -> bool:
@@ -469,11 +478,12 @@ class HealthServer(ThreadingHTTPServer):
 
 
 def run_operator(api: KubeApi, config: LeaseConfig, stop: threading.Event, *, namespace: str | None = None,
-                 clock: Clock | None = None, load: LoadReader | None = None) -> None:
+                 clock: Clock | None = None, load: LoadReader | None = None,
+                 metrics: PlaneMetrics | None = None) -> None:
     """Tick an operator every half retry period until `stop` is set; then release the lease."""
     world: Clock = clock if clock is not None else WallClock()
     elector = LeaseElector(api, config, world.now)
-    operator = Operator(api, elector, world, namespace=namespace, load=load)
+    operator = Operator(api, elector, world, namespace=namespace, load=load, metrics=metrics)
     try:
         while not stop.is_set():
             operator.tick()
