@@ -1037,6 +1037,7 @@ def _register_kube_commands() -> None:
     """The Kubernetes world's commands live in their own modules (`docs/kubernetes.md`)."""
     from gpuplane.cli import (
         accounting_cmd,
+        dashboard_cmd,
         device_plugin_cmd,
         extender_cmd,
         node_reporter_cmd,
@@ -1052,6 +1053,7 @@ def _register_kube_commands() -> None:
     operator_cmd.register(app)
     node_reporter_cmd.register(app)
     accounting_cmd.register(app)
+    dashboard_cmd.register(app)
     scheduler_cmd.register(app)
 
 

@@ -57,6 +57,8 @@ BUILTIN: dict[tuple[str, str], tuple[str, str]] = {
     ("apps", "statefulsets"): ("StatefulSet", "apps/v1"),
     ("events.k8s.io", "events"): ("Event", "events.k8s.io/v1"),
     ("scheduling.x-k8s.io", "podgroups"): ("PodGroup", "scheduling.x-k8s.io/v1alpha1"),
+    ("resource.k8s.io", "resourceslices"): ("ResourceSlice", "resource.k8s.io/v1"),
+    ("resource.k8s.io", "resourceclaims"): ("ResourceClaim", "resource.k8s.io/v1"),
 }
 SCALABLE = frozenset({"deployments", "replicasets", "statefulsets"})
 KIND_ALIASES = {"pod": "pods", "node": "nodes", "lease": "leases", "deployment": "deployments",
