@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -28,12 +27,12 @@ from gpuplane.controllers.lifecycle import (
     NodeLifecycleController,
     lifecycle_of,
 )
-from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.model import Assignment, CardShare
 from gpuplane.port import ClusterPort, NodeInfo
 from gpuplane.port.status import Code, Status
 from gpuplane.sim import SimCluster
+from test_kube_cluster import World
 
 GRACE_S = 5.0
 PROBATION_S = 100.0
@@ -131,30 +130,16 @@ def test_suspect_and_healthy_nodes_are_left_alone() -> None:
 # -- a disruption budget through the Kubernetes port ----------------------------------------------------------------
 
 
-class KubeWorld:
+class KubeWorld(World):
+    """test_kube_cluster's world (a manual clock at t=1000, manual dispatch) with the health and lifecycle
+    controllers on it; one eviction attempt per call, so a budget's refusal comes back at once."""
+
     def __init__(self, server: FakeApiServer) -> None:
-        self.server = server
-        self.t = 1000.0
-        self.cluster = KubeCluster(server.api, CATALOG, clock=self, sleep=lambda _s: None, dispatch="manual",
-                                   eviction_attempts=1, watch_timeout_s=30)
+        super().__init__(server)
+        self.cluster.eviction_attempts = 1
         self.book = NodeHealthBook(HealthPolicy(probation_s=PROBATION_S), ["n1"])
-        self.health = NodeHealthController(self.cluster, self.book, self.now)
+        self.health = NodeHealthController(self.cluster, self.book, self.cluster.clock.now)
         self.life = NodeLifecycleController(self.cluster, self.health, InstantRepair(), grace_s=0)
-
-    def now(self) -> float:
-        return self.t
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> object:
-        raise AssertionError("KubeCluster needs no timers")
-
-    def settle(self, check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.cluster.pump()
-            if check():
-                return True
-            self.cluster.wait_for_changes(0.05)
-        return check()
 
 
 @pytest.fixture
