@@ -215,3 +215,13 @@ def test_simulate_runs_the_platform_week(tmp_path: Path) -> None:
     assert data["scenario"] == "platform-week"
     assert data["seeds"] == [2]
     assert (tmp_path / "platform-week.html").exists()
+
+
+def test_the_backlogs_stay_full_within_a_step() -> None:
+    """With one refill a step a backlog of 4 near-line pods submits at most 4 a minute, however much room the
+    inference cards have; refilled until the scheduler places none, the near-line work fills the room the
+    scaled-down services leave, and inference allocation rises."""
+    capped = run_arm(PlatformSettings(**{**TINY, "backlog_rounds": 1}))
+    full = run_arm(PlatformSettings(**TINY))
+    assert full.batch.useful_gpu_h > capped.batch.useful_gpu_h
+    assert sum(full.alloc["inference"]) > sum(capped.alloc["inference"])

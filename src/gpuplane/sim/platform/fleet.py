@@ -92,6 +92,9 @@ class PlatformSettings(WorldSettings):
     nearline_backlog: int = Field(default=40, ge=1, description="near-line pods kept pending (co-location)")
     nearline_milli: int = Field(default=300, ge=50, le=900, description="GPU share a near-line pod asks for")
     nearline_hours: float = Field(default=0.5, gt=0)
+    backlog_rounds: int = Field(default=50, ge=1, description="each step, the backlogs are refilled and scheduled "
+                                "again while the scheduler places what was refilled, at most this many rounds "
+                                "(1: one refill a step, so a backlog of N submits at most N a step)")
     online_request_ms: float = Field(default=20.0, gt=0, description="mean GPU time of one online request (the "
                                      "co-location scenario's), for the node guard's passes")
     # -- capabilities

@@ -311,15 +311,19 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         submit(task)
         return task
 
-    def top_up() -> None:
+    def top_up() -> int:
+        """Bring each backlog back to its size; returns how many jobs were submitted."""
         if loop.now() >= horizon:
-            return
+            return 0
         waiting = Counter(t.kind for t in tasks.values() if not t.bound and not t.stopping)
+        submitted = 0
         for kind, on, backlog in ((TRAINING, True, s.training_backlog), (BATCH_LOW, s.backfill, s.batch_backlog),
                                   ("nearline", s.colocation, s.nearline_backlog)):
             if on:
                 for _ in range(backlog - waiting[kind]):
                     new_task(kind)
+                    submitted += 1
+        return submitted
 
     def finish(task: _Task) -> None:
         if task.job is None or not task.job.running or task.stopping:
@@ -584,8 +588,14 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         if tidal is not None:
             tidal.reconcile()
         dev_boxes()
+        # The backlogs stay full: what the scheduler placed is replaced at once, until a pass places none
+        # (at most `backlog_rounds` rounds a step).
         top_up()
         scheduler.run_pending()
+        for _ in range(s.backlog_rounds - 1):
+            if not top_up():
+                break
+            scheduler.run_pending()
         if now >= warmup:
             pending_online = any(p.phase is PodPhase.PENDING for p in cluster.list_pods()
                                  if p.request.workload is not None) if int(now // dt) % 5 == 0 else False
