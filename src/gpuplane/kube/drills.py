@@ -395,6 +395,7 @@ def _all_bound(space: Workspace, result: DrillResult, names: Sequence[str]) -> N
 
 
 def _kill_scheduler(space: Workspace, result: DrillResult) -> None:
+    """SIGKILL the leading scheduler replica while pods arrive; the standby takes the Lease and binds the rest."""
     space.nodes(2, 8)
     replicas = [space.scheduler("sched-a").start(), space.scheduler("sched-b").start()]
     wait_until(lambda: space.leader(SCHEDULER_LEASE, replicas) is not None)
@@ -428,6 +429,7 @@ def _trickle(space: Workspace, names: Sequence[str], gap_s: float) -> None:
 
 
 def _kill_extender(space: Workspace, result: DrillResult) -> None:
+    """SIGKILL the extender between a pod's filter and its bind; kube-scheduler's retry lands it once."""
     nodes = space.nodes(2, 4)
     names = [f"p{i}" for i in range(6)]
     space.pods(names)
@@ -499,6 +501,7 @@ def _reports(space: Workspace, node: str) -> int:
 
 
 def _kill_operator(space: Workspace, result: DrillResult) -> None:
+    """SIGKILL the leading operator, then an Xid 79 on a node; the standby leads and quarantines the node."""
     space.nodes(2, 8)
     replicas = [space.operator("op-a").start(), space.operator("op-b").start()]
     kern = space.folder / "kern-n1.log"
@@ -529,6 +532,7 @@ def _kill_operator(space: Workspace, result: DrillResult) -> None:
 
 
 def _kill_node_agent(space: Workspace, result: DrillResult) -> None:
+    """SIGKILL a node agent; an Xid logged while it is down is reported after its restart."""
     space.nodes(1, 8)
     kern = space.folder / "kern-n0.log"
     kern.write_text("")
@@ -580,14 +584,17 @@ def _api_errors(space: Workspace, result: DrillResult, status: int) -> None:
 
 
 def _api_500(space: Workspace, result: DrillResult) -> None:
+    """Bindings, pod patches and 15 % of all requests answered 500; every pod still bound once."""
     _api_errors(space, result, 500)
 
 
 def _api_429(space: Workspace, result: DrillResult) -> None:
+    """Bindings, pod patches and 15 % of all requests answered 429; every pod still bound once."""
     _api_errors(space, result, 429)
 
 
 def _api_latency(space: Workspace, result: DrillResult) -> None:
+    """Every API request delayed 0.2 s; pods bound, one leader kept throughout."""
     space.nodes(2, 8)
     space.server.latency_s = 0.2
     replicas = [space.scheduler("sched-a").start(), space.scheduler("sched-b").start()]
@@ -614,6 +621,8 @@ def _foreign(space: Workspace, name: str, card: int) -> None:
 
 
 def _stale_cache(space: Workspace, result: DrillResult) -> None:
+    """Restart the scheduler after others took cards behind its back, drop its watches, compact: no card promised
+    twice."""
     space.nodes(1, 8)
     scheduler = space.scheduler("sched-a").start()
     first = [f"p{i}" for i in range(3)]
