@@ -471,7 +471,7 @@ def _kill_extender(space: Workspace, result: DrillResult) -> None:
                     result.did.append("restarted the extender (a new port)")
                     base = url() or base
                 time.sleep(0.1)
-    result.did.append(f"{retries} calls failed while the extender was down")
+    result.did.append(f"{retries} call(s) failed while the extender was down")
     _all_bound(space, result, names)
 
 
@@ -560,7 +560,7 @@ def _kill_node_agent(space: Workspace, result: DrillResult) -> None:
         obj = space.server.get("events", key) or {}
         messages.append(json.dumps(obj))
     both = all(any(bus in m for m in messages) for bus in ("3b:00", "5e:00"))
-    _expect(result, "no Xid lost", both, f"{_reports(space, 'n0')} report(s) on n0 for 2 Xids; both cards' "
+    _expect(result, "no Xid lost", both, f"{_reports(space, 'n0')} report(s) on n0 for 2 Xids; both cards' Xids "
             f"{'reported' if both else 'NOT all reported'} (re-reading from the start posts the first again: "
             "at least once, not exactly once)")
 
