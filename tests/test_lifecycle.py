@@ -209,3 +209,25 @@ def test_repair_never_starts_while_a_pod_is_on_the_node(pods: int, blocked: set[
     assert steps_on(w.cluster, "n0")[-2:] == ["probation", "returned"]
     assert steps_on(w.cluster, "n0").count("repair-failed") == failures
     assert [p.name for p in w.cluster.list_pods()] == ["b0"]
+
+
+@pytest.mark.parametrize("handover_after", [1, 2, 3, 4])
+def test_a_new_leader_carries_on_from_the_node_labels(handover_after: int) -> None:
+    """The controller is replaced after `handover_after` passes by one with a fresh book rebuilt from the nodes'
+    health labels (a new leader): the node still goes round to `returned`, each step written once."""
+    w = SimWorld()
+    w.health.isolate("n0", "xid 79")
+    for _ in range(handover_after):
+        w.life.step()
+        w.run(GRACE_S)
+    book = NodeHealthBook(HealthPolicy(probation_s=PROBATION_S))
+    health = NodeHealthController(w.cluster, book, w.cluster.loop.now)
+    health.rebuild()
+    assert book.state("n0") is w.book.state("n0")  # the label says where the old leader left it
+    life = NodeLifecycleController(w.cluster, health, InstantRepair(), grace_s=GRACE_S)
+    for _ in range(10):
+        life.step()
+        w.run(PROBATION_S)
+    assert book.state("n0") is NodeHealth.HEALTHY
+    assert steps_on(w.cluster, "n0") == ["cordoned", "draining", "drained", "repairing", "probation", "returned"]
+    assert [p.name for p in w.cluster.list_pods()] == ["b0"]
