@@ -1039,6 +1039,7 @@ def _register_kube_commands() -> None:
         accounting_cmd,
         dashboard_cmd,
         device_plugin_cmd,
+        drill_cmd,
         extender_cmd,
         node_reporter_cmd,
         operator_cmd,
@@ -1054,6 +1055,7 @@ def _register_kube_commands() -> None:
     node_reporter_cmd.register(app)
     accounting_cmd.register(app)
     dashboard_cmd.register(app)
+    drill_cmd.register(app)
     scheduler_cmd.register(app)
 
 
