@@ -35,7 +35,15 @@ from gpuplane.kube.node_reports import (
 )
 from gpuplane.model.failures import load_signature_library
 from gpuplane.node.health_checks import CheckResult
-from gpuplane.node.reporter import Finding, NodeReporter, follow_command, follow_file
+from gpuplane.node.reporter import (
+    Finding,
+    LogPosition,
+    NodeReporter,
+    PositionStore,
+    follow_command,
+    follow_file,
+    run_reporter,
+)
 
 XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=2417, GPU has fallen off the bus."
 XID_43 = "NVRM: Xid (PCI:0000:86:00): 43, pid=3112, name=python3, Ch 00000010"
@@ -233,3 +241,136 @@ def test_gpuplane_node_reporter_once_posts_what_the_log_says(server: FakeApiServ
     assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
     missing = CliRunner().invoke(app, ["--once", "--node-name", "n", "--check", "smart"])
     assert missing.exit_code == 2 and "unknown" in missing.output
+
+
+class Agent:
+    """A node agent's follower and reporting loop on one log file, its positions in `state`; `kill` stops it
+    with no last word (what is on disk is what a SIGKILLed agent leaves), and a new Agent is its restart."""
+
+    def __init__(self, server: FakeApiServer, log: Path, state: Path) -> None:
+        self.findings: queue.Queue[Finding] = queue.Queue()
+        self.stop = threading.Event()
+        self.store = PositionStore(state)
+        self.reporter = NodeReporter(server.api, "gpu-7", FailureClassifier(load_signature_library()), time.time)
+        self.threads = [
+            threading.Thread(target=follow_file, args=(log, self.findings, self.stop),
+                             kwargs={"poll_s": 0.01, "resume": self.store.get(log)}),
+            threading.Thread(target=run_reporter, args=(self.reporter, self.findings, self.stop),
+                             kwargs={"positions": self.store})]
+        for thread in self.threads:
+            thread.start()
+
+    def kill(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(5)
+        assert not any(thread.is_alive() for thread in self.threads)
+
+
+def xid_line(bus: str) -> str:
+    return XID_79.replace("18:00", bus)
+
+
+def reported_buses(server: FakeApiServer) -> list[str]:
+    """The PCI bus of each posted report's line, in posting order (a bus twice: reported twice)."""
+    lines = [r.evidence[0].line or "" for r in reports_in_order(events(server))]
+    return [line.split("PCI:0000:")[1][:5] for line in lines]
+
+
+def saved_offset(state: Path, log: Path) -> int | None:
+    position = PositionStore(state).get(log)
+    return None if position is None else position.offset
+
+
+@dataclass(frozen=True)
+class DownCase:
+    name: str
+    while_down: Callable[[Path], None]
+    """what happens to the log while the agent is down"""
+    expected: list[str]
+    """the buses reported over both lives, in order: "18:00" before the kill"""
+
+
+def _append(log: Path) -> None:
+    with log.open("a") as handle:
+        handle.write(f"step 10 loss 1.0\n{xid_line('3b:00')}\n")
+
+
+def _rotate_longer(log: Path) -> None:
+    log.rename(log.with_name("kern.log.1"))  # the old file stays: its inode is not reused
+    log.write_text(f"{'boot ok ' * 20}\n{xid_line('5e:00')}\n")  # longer than the saved offset: the inode tells
+
+
+def _truncate(log: Path) -> None:
+    log.write_text(f"{xid_line('86:00')}\n")  # same inode, shorter than the saved offset
+
+
+DOWN_CASES = [
+    DownCase("appended-while-down", _append, ["18:00", "3b:00"]),
+    DownCase("rotated-while-down", _rotate_longer, ["18:00", "5e:00"]),
+    DownCase("truncated-while-down", _truncate, ["18:00", "86:00"]),
+]
+
+
+@pytest.mark.parametrize("case", DOWN_CASES, ids=[c.name for c in DOWN_CASES])
+def test_a_restarted_agent_reports_what_was_logged_while_it_was_down_once(
+        server: FakeApiServer, tmp_path: Path, case: DownCase) -> None:
+    log, state = tmp_path / "kern.log", tmp_path / "state" / "positions.json"
+    log.write_text("boot ok\n")  # before the first start, no saved position: the first agent starts at the end
+    first = Agent(server, log, state)
+    try:
+        time.sleep(0.05)
+        with log.open("a") as handle:
+            handle.write(f"{xid_line('18:00')}\n")
+        size = log.stat().st_size
+        wait_until(lambda: saved_offset(state, log) == size, "the first Xid's position saved")
+    finally:
+        first.kill()
+    assert reported_buses(server) == ["18:00"]  # "boot ok" was before the start: not read
+    case.while_down(log)
+    second = Agent(server, log, state)
+    try:
+        size = log.stat().st_size
+        wait_until(lambda: saved_offset(state, log) == size, "the log read to its end and saved")
+    finally:
+        second.kill()
+    assert reported_buses(server) == case.expected  # nothing lost, nothing posted twice
+
+
+def test_a_refused_post_holds_the_saved_position_until_it_is_posted(server: FakeApiServer, tmp_path: Path) -> None:
+    log, state = tmp_path / "kern.log", tmp_path / "positions.json"
+    log.write_text("")
+    # refused 5 times: the first post and the idle flushes 0.2 s apart, so about a second before it is posted
+    server.fail_next("POST", r"/events$", 503, "ServiceUnavailable", times=5)
+    agent = Agent(server, log, state)
+    try:
+        time.sleep(0.05)
+        with log.open("a") as handle:
+            handle.write(f"{xid_line('18:00')}\n")
+        wait_until(lambda: len(agent.reporter.pending) == 1, "the refused post")
+        assert saved_offset(state, log) is None  # not posted: not saved (a kill now re-reads it)
+        wait_until(lambda: bool(events(server)), "the retry")  # the loop's idle flush retries it
+        size = log.stat().st_size
+        wait_until(lambda: saved_offset(state, log) == size, "the position saved once posted")
+    finally:
+        agent.kill()
+    assert reported_buses(server) == ["18:00"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(device=st.integers(0, 2**63), inode=st.integers(0, 2**63), offset=st.integers(0, 2**40))
+def test_a_saved_position_reads_back_as_written(tmp_path_factory: pytest.TempPathFactory, device: int, inode: int,
+                                                offset: int) -> None:
+    state = tmp_path_factory.mktemp("s") / "positions.json"
+    store = PositionStore(state)
+    position = LogPosition(PositionStore.key(Path("kern.log")), device, inode, offset)
+    store.advance(position)
+    store.save()
+    assert PositionStore(state).get(Path("kern.log")) == position
+    assert [p.name for p in state.parent.iterdir()] == ["positions.json"]  # the temporary file renamed away
+
+
+def test_an_unreadable_state_file_reads_as_no_positions(tmp_path: Path) -> None:
+    state = tmp_path / "positions.json"
+    state.write_text("{torn")
+    assert PositionStore(state).positions == {}

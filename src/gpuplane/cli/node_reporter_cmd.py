@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from gpuplane.node.health_checks import HealthCheck
 
 CHECKS = ("nvml", "dcgm")
+STATE_FILE = Path("/var/lib/gpuplane/node-reporter.json")
+"""the default --state-file: under the node agent's state directory (a hostPath, so it outlives the pod)"""
 
 
 def _checks(names: list[str]) -> list[HealthCheck]:
@@ -51,7 +53,12 @@ def register(app: typer.Typer) -> None:
         check_period: Annotated[float, typer.Option(min=1.0, help="seconds between check tiers")] = 300.0,
         signatures: Annotated[list[Path] | None, typer.Option(
             "--signatures", help="a signature file on top of the bundled library (repeatable)")] = None,
-        from_start: Annotated[bool, typer.Option(help="read the followed files from their start")] = False,
+        from_start: Annotated[bool, typer.Option(
+            help="read a followed file from its start when --state-file has no position for it (the first "
+                 "start); without, from its end")] = False,
+        state_file: Annotated[Path, typer.Option(
+            help="where the followed files' read positions are kept across restarts: a restarted agent resumes "
+                 "each file there (from its start when it was rotated meanwhile)")] = STATE_FILE,
         once: Annotated[bool, typer.Option(
             "--once", help="read the followed files to their end, run the checks once, post, and exit")] = False,
         kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
@@ -62,7 +69,15 @@ def register(app: typer.Typer) -> None:
         from gpuplane.model import GpuplaneError
         from gpuplane.model.failures import load_signature_library
         from gpuplane.node.health_checks import run_checks
-        from gpuplane.node.reporter import Finding, NodeReporter, drain, follow_command, follow_file, run_reporter
+        from gpuplane.node.reporter import (
+            Finding,
+            NodeReporter,
+            PositionStore,
+            drain,
+            follow_command,
+            follow_file,
+            run_reporter,
+        )
         from gpuplane.port import WallClock
 
         node = node_name or os.environ.get("NODE_NAME")
@@ -94,8 +109,14 @@ def register(app: typer.Typer) -> None:
                 fail(f"{len(reporter.pending)} report(s) could not be posted")
             print(f"{node}: {len(reporter.posted)} report(s) posted")
             return
+        positions = PositionStore(state_file)
+        try:
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"--state-file {state_file}: {exc}")
         threads = [threading.Thread(target=follow_file, args=(path, findings, stop),
-                                    kwargs={"from_start": from_start}, daemon=True) for path in follow or []]
+                                    kwargs={"from_start": from_start, "resume": positions.get(path)}, daemon=True)
+                   for path in follow or []]
         if command is not None:
             threads.append(threading.Thread(target=follow_command, args=(command.split(), findings, stop),
                                             daemon=True))
@@ -103,7 +124,8 @@ def register(app: typer.Typer) -> None:
             thread.start()
         try:
             with on_sigterm(stop.set):
-                run_reporter(reporter, findings, stop, checks=checks, check_period_s=check_period)
+                run_reporter(reporter, findings, stop, checks=checks, check_period_s=check_period,
+                             positions=positions)
         except KeyboardInterrupt:
             pass
         finally:

@@ -12,11 +12,21 @@ before the next one (`flush`), oldest first, up to `backlog` Events.
 every `check_period_s`. Findings come from `follow_file` (a log file, e.g. the kernel log whose `NVRM: Xid` lines
 the classifier reads, followed as `tail -F` does) and `follow_command` (a child process's output, e.g.
 `dmesg --follow`), each on its own thread.
+
+A followed file's read position survives the agent: each line's Finding carries the position just past it
+(`LogPosition`), and `run_reporter` saves the positions of the lines it has fed and posted to a `PositionStore`
+(a small JSON file, replaced atomically) after each batch. A restarted agent resumes each file where that store
+says when the file is the same one (device and inode match, and it is at least that long), and reads it from
+its start when it was rotated or truncated meanwhile; so a line written while the agent was down is reported
+once. The one window left is a crash after a post and before the save that follows it: that batch is posted
+again (at least once, never lost).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import subprocess
 import threading
@@ -51,6 +61,66 @@ class Finding:
     exit_code: int | None = None
     signal: str | None = None
     pod: str | None = None
+    position: LogPosition | None = None
+    """for a followed file's line: where the file is read to once this line is done with"""
+
+
+@dataclass(frozen=True, slots=True)
+class LogPosition:
+    """How far one followed file has been read: `offset` bytes into the file that was (`device`, `inode`)."""
+
+    path: str
+    device: int
+    inode: int
+    offset: int
+
+
+class PositionStore:
+    """The followed files' read positions, kept in a JSON file across restarts of the agent.
+
+    `advance` records a position in memory; `save` writes them all (a temporary file renamed over the old one,
+    so a crash leaves the old positions or the new, never a torn file). An unreadable file reads as empty."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.positions: dict[str, LogPosition] = {}
+        self.dirty = False
+        try:
+            doc = json.loads(path.read_text())
+            for name, entry in (doc.get("files") or {}).items():
+                self.positions[name] = LogPosition(name, int(entry["device"]), int(entry["inode"]),
+                                                   int(entry["offset"]))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("%s: unreadable (%s); every followed file starts afresh", path, exc)
+
+    @staticmethod
+    def key(path: Path) -> str:
+        return os.path.abspath(path)
+
+    def get(self, path: Path) -> LogPosition | None:
+        return self.positions.get(self.key(path))
+
+    def advance(self, position: LogPosition) -> None:
+        if self.positions.get(position.path) != position:
+            self.positions[position.path] = position
+            self.dirty = True
+
+    def save(self) -> None:
+        """Write the positions when they changed since the last save."""
+        if not self.dirty:
+            return
+        doc = {"version": 1, "files": {name: {"device": p.device, "inode": p.inode, "offset": p.offset}
+                                       for name, p in sorted(self.positions.items())}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with temporary.open("w") as handle:
+            json.dump(doc, handle, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.path)
+        self.dirty = False
 
 
 class NodeReporter:
@@ -140,9 +210,26 @@ class NodeReporter:
 
 
 def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: threading.Event, *,
-                 checks: Sequence[HealthCheck] = (), check_period_s: float = 300.0) -> None:
+                 checks: Sequence[HealthCheck] = (), check_period_s: float = 300.0,
+                 positions: PositionStore | None = None) -> None:
     """The node agent's reporting loop: each finding as it arrives, the check tier every `check_period_s`
-    (first at once), until `stop` is set."""
+    (first at once), until `stop` is set. With `positions`, the followed files' positions of the findings fed
+    are saved once everything fed is posted and the queue is drained (a batch)."""
+    held: dict[str, LogPosition] = {}
+    """positions of findings fed whose reports are not all posted yet"""
+
+    def commit() -> None:
+        if positions is None or reporter.pending:
+            return
+        for position in held.values():
+            positions.advance(position)
+        held.clear()
+        if findings.empty():
+            try:
+                positions.save()
+            except OSError as exc:  # kept in memory, saved with the next batch
+                log.warning("%s: cannot save the read positions: %s", positions.path, exc)
+
     next_check = reporter.now()
     while not stop.is_set():
         if checks and reporter.now() >= next_check:
@@ -152,35 +239,51 @@ def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: t
             finding = findings.get(timeout=0.2)
         except queue.Empty:
             reporter.flush()
+            commit()
             continue
         reporter.feed(finding)
+        if finding.position is not None:
+            held[finding.position.path] = finding.position
+        commit()
 
 
 def follow_file(path: Path, findings: queue.Queue[Finding], stop: threading.Event, *, from_start: bool = False,
-                poll_s: float = 0.5) -> None:
-    """Put each new line of `path` on `findings` until `stop` (from its end, or `from_start`); a file that is
-    truncated or replaced (log rotation) is reopened from its start. A missing file is waited for."""
-    position: int | None = None if not from_start else 0
-    inode: int | None = None
+                poll_s: float = 0.5, resume: LogPosition | None = None) -> None:
+    """Put each new line of `path` on `findings` until `stop`, each with the position just past it; a file
+    that is truncated or replaced (log rotation) is reopened from its start. A missing file is waited for.
+
+    It starts at `resume` when that is this file (same device and inode, and at least that long), at its
+    start when `resume` is another file or a longer one (rotated or truncated since), and with no `resume` at
+    its end (or its start, `from_start`)."""
+    key = PositionStore.key(path)
+    position: int | None = 0 if from_start else None
+    inode: tuple[int, int] | None = None
     while not stop.is_set():
         try:
             stat = path.stat()
         except OSError:
             stop.wait(poll_s)
             continue
-        if inode is not None and (stat.st_ino != inode or stat.st_size < (position or 0)):
+        if resume is not None:
+            same = (stat.st_dev, stat.st_ino) == (resume.device, resume.inode) and stat.st_size >= resume.offset
+            position = resume.offset if same else 0
+            resume = None
+        elif inode is not None and ((stat.st_dev, stat.st_ino) != inode or stat.st_size < (position or 0)):
             position = 0  # rotated or truncated
-        inode = stat.st_ino
+        inode = (stat.st_dev, stat.st_ino)
         if position is None:
             position = stat.st_size
         if stat.st_size > position:
             with path.open("rb") as handle:
                 handle.seek(position)
                 chunk = handle.read()
-            complete = chunk.rfind(b"\n") + 1
-            for raw in chunk[:complete].splitlines():
-                findings.put(Finding(line=raw.decode("utf-8", "replace")))
-            position += complete
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
+                raw = chunk[start:end].rstrip(b"\r")
+                findings.put(Finding(line=raw.decode("utf-8", "replace"),
+                                     position=LogPosition(key, inode[0], inode[1], position + end + 1)))
+                start = end + 1
+            position += start
         stop.wait(poll_s)
 
 
