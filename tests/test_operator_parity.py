@@ -20,7 +20,8 @@ def test_the_operator_and_the_simulator_take_the_same_decisions_all_day(day: Par
     assert day.differences == () and day.sim == day.kube
     kinds = day.counts()
     # every kind of decision is exercised, not just compared
-    assert set(kinds) == {"colocation", "health", "loan", "pod-gone", "pool", "replicas", "restart", "tainted"}
+    assert set(kinds) == {"colocation", "health", "lifecycle", "loan", "pod-gone", "pool", "replicas", "restart",
+                          "tainted"}
     assert day.compared == len(day.sim) == sum(kinds.values())
 
 
@@ -35,12 +36,16 @@ def test_the_days_decisions_are_the_policy_s(day: ParityResult) -> None:
         assert by[("pod-gone", f"ml/borrow-tidal-{i}")] == [(7.5, "")]  # the borrowed pods evicted at reclaim
     # recovery: Xid 79 at 03:00 isolates member 1's node and restarts; the illegal address at 10:00 restarts only
     assert by[("restart", "train")] == [(3.0, "xid-79 isolated=train-1"), (10.0, "cuda-illegal-address isolated=")]
-    assert by[("health", "train-1")] == [(3.0, "quarantined")] and by[("tainted", "train-1")] == [(3.0, "True")]
+    # quarantined, and drained in the same pass (the gang's pods deleted): its repair asked for, and with nobody
+    # answering it, still repairing at the end of the day
+    assert by[("health", "train-1")] == [(3.0, "repairing")] and by[("tainted", "train-1")] == [(3.0, "True")]
+    assert by[("lifecycle", "train-1")] == [(3.0, "repairing")]
     # the failed check tier at 05:00 makes stable-1 a suspect (tainted), the passing one at 05:30 clears it
     assert by[("health", "stable-1")] == [(5.0, "suspect"), (5.5, "")]
     assert by[("tainted", "stable-1")] == [(5.0, "True"), (5.5, "False")]
     # Xid 79 on the spare (no gang there) at 14:00: the node alone is isolated
-    assert by[("health", "spare-0")] == [(14.0, "quarantined")] and ("restart", "spare-0") not in by
+    assert by[("health", "spare-0")] == [(14.0, "repairing")] and ("restart", "spare-0") not in by
+    assert by[("lifecycle", "spare-0")] == [(14.0, "repairing")]
     # the GpuPool "spares" arrives at 12:00; the second ColocationPolicy at 18:00 conflicts on the stable nodes
     assert by[("pool", "spare-0")] == [(12.0, "spares")]
     assert by[("colocation", "stable-0")] == [(0.0, "ml/near-line"), (18.0, "conflict: ml/near-line, ml/stable-only")]
@@ -92,4 +97,4 @@ def test_gpuplane_operator_parity_prints_the_result() -> None:
     register(app)
     result = CliRunner().invoke(app, ["operator", "--parity"])
     assert result.exit_code == 0, result.output
-    assert "decisions compared: 106" in result.output and "differences: 0" in result.output
+    assert "decisions compared: 108" in result.output and "differences: 0" in result.output

@@ -2,23 +2,28 @@
 agent's Events (posted by `NodeReporter`) reach the operator's informer; an isolate-node verdict taints the
 node and deletes the gang's pods (their owner re-creates them); health tiers make a node suspect and clear it;
 each Event is acted on once, by this leader or the next; the next leader takes the nodes' health from their
-labels; each node is annotated with the ColocationPolicy that governs it."""
+labels; a quarantined node is cordoned, drained and its repair asked for (the lifecycle, each step in the
+node's annotation), and the answer written on the node moves it on; each node is annotated with the
+ColocationPolicy that governs it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.health import HEALTH_LABEL, NodeHealth
+from gpuplane.controllers.lifecycle import LIFECYCLE_ANNOTATION, LIFECYCLE_HISTORY
 from gpuplane.kube.api import RestKubeApi
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.node_reports import EVENTS_PATH, REPORT_LABEL
 from gpuplane.kube.objects import GANG_LABEL, GANG_SIZE
-from gpuplane.kube.operator import HANDLED_ANNOTATION, Operator
+from gpuplane.kube.operator import HANDLED_ANNOTATION, REPAIR_ANNOTATION, Operator
 from gpuplane.kube.reconcilers import COLOCATION_ANNOTATION
 from gpuplane.model.failures import load_signature_library
 from gpuplane.node.health_checks import CheckResult
@@ -81,7 +86,9 @@ def test_an_xid_79_isolates_its_node_and_deletes_the_gang_once(server: FakeApiSe
     assert agent(server, "gpu-1", clock).line(XID_79) is not None
     reports_seen(op, 1)
     op.tick()
-    assert health_of(server, "gpu-1") == ("quarantined", True)
+    # quarantined, and (the gang's pods deleted, nothing else on it) drained in the same pass: its repair is asked for
+    assert health_of(server, "gpu-1") == ("repairing", True)
+    assert node(server, "gpu-1")["metadata"]["annotations"][REPAIR_ANNOTATION] == "requested"
     assert health_of(server, "gpu-0") == (None, False) and health_of(server, "gpu-2") == (None, False)
     # both members deleted: the gang's owner re-creates them, the scheduler avoids the tainted node
     wait_for(lambda: server.keys("pods") == [], "the gang's pods deleted")
@@ -99,7 +106,7 @@ def test_an_xid_79_isolates_its_node_and_deletes_the_gang_once(server: FakeApiSe
     assert successor.leading and successor.recovery is not None
     assert successor.recovery.history == [] and sorted(server.keys("pods")) == ["ml/train-0", "ml/train-1"]
     # the successor's book has gpu-1 from its label
-    assert successor.recovery.book.state("gpu-1") is NodeHealth.QUARANTINED
+    assert successor.recovery.book.state("gpu-1") is NodeHealth.REPAIRING
     successor.shutdown()
 
 
@@ -120,6 +127,73 @@ def test_health_tiers_make_a_node_suspect_then_clear_it(server: FakeApiServer) -
     assert health_of(server, "gpu-2") == (None, False) and handled(server) == [True, True]
     # the gang was on other nodes: no recovery decision
     assert op.recovery is not None and op.recovery.history == []
+    op.shutdown()
+
+
+def steps(server: FakeApiServer, name: str) -> list[str]:
+    """The lifecycle steps written on the node, oldest first (its history annotation)."""
+    history = node(server, name)["metadata"]["annotations"].get(LIFECYCLE_HISTORY, "[]")
+    return [doc["step"] for doc in json.loads(history)]
+
+
+@dataclass(frozen=True)
+class AnswerCase:
+    answer: str
+    """what the person who repaired the node writes in its gpuplane.io/repair annotation"""
+    health: str
+    last_step: str
+    cordoned: bool
+
+
+ANSWER_CASES = [
+    AnswerCase("done", "probation", "probation", False),  # uncordoned, the taint lifted, small jobs only
+    AnswerCase("failed", "quarantined", "repair-failed", True),  # back to quarantine, still cordoned
+]
+
+
+@pytest.mark.parametrize("case", ANSWER_CASES, ids=[c.answer for c in ANSWER_CASES])
+def test_a_node_quarantined_by_an_xid_event_is_cordoned_drained_and_waits_for_its_repair(
+        server: FakeApiServer, case: AnswerCase) -> None:
+    server.add_pod(pod_json("serve-0", namespace="ml", limits={"nvidia.com/gpu": "1"}, node="gpu-2",
+                            phase="Running"))
+    server.block_eviction("ml/serve-0", times=1)  # a disruption budget refuses the first eviction
+    clock = VirtualClock(MIDNIGHT)
+    op = operator(server, clock)
+    op.tick()
+    clock.at(1.0)
+    assert agent(server, "gpu-2", clock).line(XID_79) is not None
+    reports_seen(op, 1)
+    op.tick()  # quarantined by the Event; cordoned; the eviction refused
+    assert health_of(server, "gpu-2") == ("quarantined", True)
+    assert node(server, "gpu-2")["spec"].get("unschedulable") is True
+    assert steps(server, "gpu-2") == ["cordoned", "drain-blocked"]
+    clock.at(2.0)
+    op.tick()  # the eviction goes through
+    wait_for(lambda: "ml/serve-0" not in server.keys("pods"), "serve-0 evicted")
+    clock.at(3.0)
+    op.tick()  # nothing left on it: drained, its repair asked for; nobody has answered, so it waits
+    clock.at(4.0)
+    op.tick()
+    assert health_of(server, "gpu-2") == ("repairing", True)
+    assert node(server, "gpu-2")["metadata"]["annotations"][REPAIR_ANNOTATION] == "requested"
+    assert steps(server, "gpu-2") == ["cordoned", "drain-blocked", "draining", "drained", "repairing"]
+    server.api.patch("/api/v1/nodes/gpu-2", {"metadata": {"annotations": {REPAIR_ANNOTATION: case.answer}}})
+    assert op.cluster is not None
+    cluster = op.cluster
+
+    def answer_seen() -> bool:
+        cluster.pump()
+        gpu_2 = next(n for n in cluster.list_nodes() if n.name == "gpu-2")
+        return dict(gpu_2.annotations).get(REPAIR_ANNOTATION) == case.answer
+
+    wait_for(answer_seen, "the operator's cache sees the answer")
+    clock.at(5.0)
+    op.tick()
+    assert health_of(server, "gpu-2")[0] == case.health
+    assert bool(node(server, "gpu-2")["spec"].get("unschedulable")) is case.cordoned
+    assert json.loads(node(server, "gpu-2")["metadata"]["annotations"][LIFECYCLE_ANNOTATION])["step"] == \
+        case.last_step
+    assert health_of(server, "gpu-0") == (None, False)  # the gang's nodes untouched
     op.shutdown()
 
 

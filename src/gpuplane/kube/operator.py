@@ -23,10 +23,17 @@ read by an informer on core/v1 events labelled `gpuplane.io/report`; each gang t
 `RecoveryController`, restarted by deleting its pods for their owner to re-create; a health tier moves the node
 in the `NodeHealthBook` and the `NodeHealthController` taints or untaints it; each Event acted on is annotated
 `gpuplane.io/handled-at`, so a new leader does not act twice, and rebuilds the book from the nodes'
-`gpuplane.io/health` labels), the GpuPools, each TidalPolicy, the ColocationPolicies' distribution (each node
-annotated `gpuplane.io/colocation-policy` with the one that governs it, `kube.reconcilers.ColocationDistributor`)
-and the Queues (validated, status written; their quotas are applied by gpuplane-scheduler,
-`gpuplane.kube.declarations`).
+`gpuplane.io/health` labels), the node lifecycle (`NodeLifecycleController`: each node the book holds
+quarantined is cordoned and drained, then repaired by the `Repairer` the operator is given, served its probation
+and returned; every step in the node's `gpuplane.io/lifecycle` annotation), the GpuPools, each TidalPolicy,
+the ColocationPolicies' distribution (each node annotated `gpuplane.io/colocation-policy` with the one that
+governs it, `kube.reconcilers.ColocationDistributor`) and the Queues (validated, status written; their quotas
+are applied by gpuplane-scheduler, `gpuplane.kube.declarations`).
+
+Repairs: without a `repairer`, the operator's is an `AnnotatedRepair`. It asks for each drained node's
+repair by writing `gpuplane.io/repair: requested` on the node, and waits for a person or a tool to write `done`
+(the node passed admission) or `failed` there. Nothing repairs a node by itself, so a node stays `repairing`
+until someone answers. The annotation is on the node, so a new leader picks the wait up where the last one was.
 
 Times of day in TidalPolicies are UTC (the controller takes `now() mod 86400`). Load: with a `load` reader
 (`gpuplane operator --prometheus URL --load-query Q` reads each service's load from Prometheus through the
@@ -53,6 +60,7 @@ from typing import Any, Protocol
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.forecast import NO_FORECAST, LoadForecast, SeasonalForecaster
 from gpuplane.controllers.health import HealthPolicy, NodeHealthBook, NodeHealthController
+from gpuplane.controllers.lifecycle import NodeLifecycleController, Repairer
 from gpuplane.controllers.recovery import RecoveryController
 from gpuplane.controllers.tidal import SUBSET_LABEL, TidalController
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi
@@ -85,6 +93,33 @@ log = logging.getLogger(__name__)
 
 HANDLED_ANNOTATION = "gpuplane.io/handled-at"
 """Written on a node agent's Event once the operator has acted on it, so that a new leader does not act twice."""
+REPAIR_ANNOTATION = "gpuplane.io/repair"
+"""A drained node's repair, for `AnnotatedRepair`: `requested` (by the operator), then `done` or `failed` (by
+whoever repaired it)."""
+
+
+class AnnotatedRepair:
+    """The operator's default `Repairer`: it asks for the repair on the node and waits for an answer.
+
+    `start` writes `gpuplane.io/repair: requested` on the node. `poll` reads the annotation: `done` means
+    repaired and passed admission (True), `failed` means not repaired (False), and anything else means still
+    waiting (None). It never repairs anything itself. A person (`kubectl annotate node N gpuplane.io/repair=done
+    --overwrite`) or an RMA tool answers."""
+
+    def __init__(self, port: ClusterPort) -> None:
+        self.port = port
+
+    def start(self, node: str) -> None:
+        if self._answer(node) != "requested":
+            self.port.patch_node(node, annotations={REPAIR_ANNOTATION: "requested"})
+
+    def poll(self, node: str) -> bool | None:
+        answer = self._answer(node)
+        return True if answer == "done" else False if answer == "failed" else None
+
+    def _answer(self, node: str) -> str | None:
+        info = next((n for n in self.port.list_nodes() if n.name == node), None)
+        return None if info is None else dict(info.annotations).get(REPAIR_ANNOTATION)
 
 
 class LoadReader(Protocol):
@@ -177,7 +212,7 @@ class Operator:
                  cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
                  load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster,
                  library: SignatureLibrary | None = None, health_policy: HealthPolicy | None = None,
-                 metrics: PlaneMetrics | None = None) -> None:
+                 metrics: PlaneMetrics | None = None, repairer: Repairer | None = None) -> None:
         self.api = api
         self.metrics = metrics
         """the leader gauge only: the scheduling process's observer counts the cluster (docs/monitoring.md)"""
@@ -186,6 +221,9 @@ class Operator:
         self.recovery: RecoveryController | None = None
         self.health: NodeHealthController | None = None
         self.feed: RecoveryFeed | None = None
+        self.repairer = repairer
+        """None: an `AnnotatedRepair` on the cluster, made when leadership begins"""
+        self.lifecycle: NodeLifecycleController | None = None
         self.colocation: ColocationDistributor | None = None
         self._handled: set[str] = set()
         """Keys of the node agents' Events acted on while leading (the annotation may not have reached the
@@ -226,6 +264,9 @@ class Operator:
         assert self.cluster is not None
         self.cluster.pump()
         self._recover()
+        assert self.lifecycle is not None
+        self.lifecycle.step()
+        self.cluster.pump()
         seen: set[str] = set()
         colocation: dict[str, Mapping[str, str]] = {}
         for kind in KINDS:
@@ -279,6 +320,8 @@ class Operator:
         self.recovery = RecoveryController(self.cluster, FailureClassifier(self.library), book, self.clock.now,
                                            health=self.health)
         self.feed = RecoveryFeed(self.recovery, self.health)
+        self.lifecycle = NodeLifecycleController(self.cluster, self.health,
+                                                 self.repairer or AnnotatedRepair(self.cluster))
         self.colocation = ColocationDistributor(self.cluster)
         for informer in self.informers.values():
             if not informer.wait_synced(30.0):
@@ -294,7 +337,7 @@ class Operator:
         if self.recovery is not None:
             self.recovery.close()
         self.cluster = None
-        self.recovery = self.health = self.feed = self.colocation = None
+        self.recovery = self.health = self.feed = self.colocation = self.lifecycle = None
         self._handled.clear()
         self.informers.clear()
         self.tidal.clear()

@@ -16,8 +16,9 @@ The inputs are the same on both sides, at the same virtual times:
   with no gang, a failing then passing health-check tier on a stable node.
 
 Every `tick_s` (300 s: 288 ticks for 24 h) the operator ticks once and the simulator's controllers run once in
-the operator's order (recovery and health, pools, tidal, co-location), then both worlds are read back as
-decisions: a node's pool label, loan label, health label and quarantine taint, and governing co-location policy;
+the operator's order (recovery and health, the node lifecycle with the operator's default `AnnotatedRepair`,
+pools, tidal, co-location), then both worlds are read back as decisions: a node's pool label, loan label, health
+label and quarantine taint, lifecycle step and governing co-location policy;
 each Deployment's replicas; pods gone (restarts, reclaim evictions); and the recovery controller's restarts.
 A decision is (time, what, subject, value) when the value changes. Parity holds when both lists are equal.
 
@@ -43,6 +44,7 @@ from typing import Any
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.forecast import SeasonalForecaster
 from gpuplane.controllers.health import HEALTH_LABEL, QUARANTINE_TAINT, NodeHealthBook, NodeHealthController
+from gpuplane.controllers.lifecycle import LIFECYCLE_ANNOTATION, NodeLifecycleController
 from gpuplane.controllers.recovery import RecoveryController
 from gpuplane.controllers.tidal import LOAN_LABEL, LOAN_TAINT, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi, pod_path
@@ -51,7 +53,7 @@ from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.node_reports import NodeReport
 from gpuplane.kube.objects import GANG_LABEL, GANG_SIZE, POOL_LABEL, WORKLOAD_LABEL
-from gpuplane.kube.operator import Operator, tidal_controller
+from gpuplane.kube.operator import AnnotatedRepair, Operator, tidal_controller
 from gpuplane.kube.pools import PoolRule, plan_pools
 from gpuplane.kube.reconcilers import COLOCATION_ANNOTATION, ColocationDistributor, RecoveryFeed, apply_pool_plan
 from gpuplane.model import (
@@ -176,7 +178,7 @@ FAULTS = (
 @dataclass(slots=True)
 class Snapshot:
     nodes: dict[str, dict[str, str]]
-    """node → what → value (pool, loan, health, tainted, colocation)"""
+    """node → what → value (pool, loan, health, tainted, colocation, lifecycle step)"""
     replicas: dict[str, int]
     pods: set[str]
 
@@ -184,7 +186,8 @@ class Snapshot:
 def _node_view(labels: Mapping[str, str], tainted: bool, annotations: Mapping[str, str]) -> dict[str, str]:
     return {"pool": labels.get(POOL_LABEL, ""), "loan": labels.get(LOAN_LABEL, ""),
             "health": labels.get(HEALTH_LABEL, ""), "tainted": str(tainted),
-            "colocation": annotations.get(COLOCATION_ANNOTATION, "")}
+            "colocation": annotations.get(COLOCATION_ANNOTATION, ""),
+            "lifecycle": json.loads(annotations.get(LIFECYCLE_ANNOTATION, "{}")).get("step", "")}
 
 
 class KubeShaped(SimCluster):
@@ -237,6 +240,7 @@ class SimWorld:
         self.recovery = RecoveryController(self.cluster, FailureClassifier(load_signature_library()), book, self.now,
                                            health=self.health)
         self.feed = RecoveryFeed(self.recovery, self.health)
+        self.lifecycle = NodeLifecycleController(self.cluster, self.health, AnnotatedRepair(self.cluster))
         self.distributor = ColocationDistributor(self.cluster)
         self.forecast = SeasonalForecaster()
         self.pools: dict[str, GpuPoolSpec] = {}
@@ -264,6 +268,7 @@ class SimWorld:
         if self.reports:
             self.feed.handle(sorted(self.reports, key=lambda r: (r.t, r.key)))
             self.reports.clear()
+        self.lifecycle.step()
         rules = {name: PoolRule.of(spec, self.catalog) for name, spec in self.pools.items()}
         specs = {info.name: info.spec for info in self.cluster.list_nodes()}
         apply_pool_plan(self.cluster, plan_pools(rules, specs.values()), specs)
