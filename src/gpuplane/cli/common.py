@@ -7,7 +7,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from rich.markup import escape
 from gpuplane.model import GpuplaneError
 from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, load_topo_config
 from gpuplane.scheduler.plugins.frag import TypicalPods
+
+if TYPE_CHECKING:
+    from gpuplane.port.metrics import PlaneMetrics
 
 err = Console(stderr=True)
 
@@ -32,6 +35,21 @@ def fail(message: str) -> NoReturn:
 def log_to_stderr() -> None:
     """A long-running command's log: INFO and above, with times, on stderr."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+
+
+def serve_metrics(port: int | None) -> PlaneMetrics | None:
+    """`--metrics-port`: gpuplane's metrics served on `port` (0: a free one, logged); None: no metrics."""
+    if port is None:
+        return None
+    from gpuplane.port.metrics import PlaneMetrics
+
+    metrics = PlaneMetrics()
+    try:
+        served = metrics.serve(port)
+    except OSError as exc:
+        fail(f"--metrics-port {port}: {exc}")
+    logging.getLogger(__name__).info("metrics on :%d/metrics", served)
+    return metrics
 
 
 def interrupt() -> NoReturn:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm
+from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm, serve_metrics
 
 if TYPE_CHECKING:
     from gpuplane.kube.api import RestKubeApi
@@ -82,7 +82,6 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Serve the validating admission webhook (AdmissionReview v1 on POST /validate) until Ctrl-C or SIGTERM."""
-        import logging
 
         from gpuplane.kube.webhook import (
             DEFAULT_DEVICE_PLUGIN_ACCOUNT,
@@ -185,16 +184,7 @@ def register(app: typer.Typer) -> None:
                 health = HealthServer(health_port).start()
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
-        metrics = None
-        if metrics_port is not None:
-            from gpuplane.port.metrics import PlaneMetrics
-
-            metrics = PlaneMetrics()
-            try:
-                served = metrics.serve(metrics_port)
-            except OSError as exc:
-                fail(f"--metrics-port {metrics_port}: {exc}")
-            logging.getLogger(__name__).info("metrics on :%d/metrics", served)
+        metrics = serve_metrics(metrics_port)
         try:
             with on_sigterm(stop.set):
                 run_operator(api, config, stop, namespace=watch_namespace, load=load, metrics=metrics)

@@ -20,6 +20,7 @@ from gpuplane.cli.common import (
     fail,
     log_to_stderr,
     on_sigterm,
+    serve_metrics,
 )
 from gpuplane.kube.scheduler_mode import DEFAULT_LEASE_NAME, DEFAULT_LEASE_NAMESPACE, DEFAULT_SCHEDULER_NAME
 
@@ -113,16 +114,7 @@ def register(app: typer.Typer) -> None:
                 health = HealthServer(health_port).start()
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
-        metrics = None
-        if metrics_port is not None:
-            from gpuplane.port.metrics import PlaneMetrics
-
-            metrics = PlaneMetrics()
-            try:
-                served = metrics.serve(metrics_port)
-            except OSError as exc:
-                fail(f"--metrics-port {metrics_port}: {exc}")
-            logging.getLogger(__name__).info("metrics on :%d/metrics", served)
+        metrics = serve_metrics(metrics_port)
         mode = SchedulerMode(api, profile, catalog=catalog, seed=seed, pools=pool_table,
                              scheduler_name=scheduler_name, elector=elector, clock=clock,
                              bind_workers=0 if sync_binds else bind_workers, identity=holder, metrics=metrics)
