@@ -170,6 +170,14 @@ def test_a_node_quarantined_by_an_xid_event_is_cordoned_drained_and_waits_for_it
     clock.at(2.0)
     op.tick()  # the eviction goes through
     wait_for(lambda: "ml/serve-0" not in server.keys("pods"), "serve-0 evicted")
+    assert op.cluster is not None
+    evicted_from = op.cluster
+
+    def gone_from_cache() -> bool:  # the next pass reads the operator's cache, not the server
+        evicted_from.pump()
+        return all(not p.name.endswith("serve-0") for p in evicted_from.list_pods())
+
+    wait_for(gone_from_cache, "the operator's cache sees serve-0 gone")
     clock.at(3.0)
     op.tick()  # nothing left on it: drained, its repair asked for; nobody has answered, so it waits
     clock.at(4.0)
