@@ -558,12 +558,16 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         for task in open_boxes[: max(0, len(open_boxes) - want)]:
             stop(task, 0.0, "closed")
 
-    def step() -> None:
-        now = loop.now()
+    def ready_replicas(now: float) -> dict[str, int]:
+        """Service → its replicas serving now (bound and started)."""
         ready: dict[str, int] = defaultdict(int)
         for svc_, since in serving.values():
-            if since <= now:
-                ready[svc_.name] += 1
+            ready[svc_.name] += since <= now
+        return ready
+
+    def step() -> None:
+        now = loop.now()
+        ready = ready_replicas(now)
         for svc in scaled:
             load = svc.load(now)
             up = ready[svc.name]
@@ -688,11 +692,9 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
 
     def sample() -> None:
         now = loop.now()
+        ready = ready_replicas(now)
         if s.colocation:
-            ready_now: dict[str, int] = defaultdict(int)
-            for svc_, since in serving.values():
-                ready_now[svc_.name] += since <= now
-            guard_pass(ready_now)
+            guard_pass(ready)
         if now >= warmup:
             pool_of = {n.name: n.spec.pool for n in cluster.list_nodes()}
             capacity: dict[str, int] = defaultdict(int)
@@ -704,9 +706,6 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             node_alloc: dict[str, int] = defaultdict(int)
             dev_pods = 0
             dev_cards: set[tuple[str, int]] = set()
-            ready: dict[str, int] = defaultdict(int)
-            for svc_, since in serving.values():
-                ready[svc_.name] += since <= now
             book(now)
             for b in cluster.state.bindings.values():
                 node = b.assignment.node
