@@ -10,12 +10,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import celpy
 import kubernetes_validate
 import pytest
 import yaml
-from celpy import celtypes
 
+from gpuplane.kube.dra_cel import SelectorCache, SelectorError
 from gpuplane.kube.objects import RES_GPU, quantity
 from gpuplane.model import MigMode, default_catalog
 from gpuplane.node.dra_slices import DRIVER, DeviceKind, SliceSettings, parse_device_name, resource_slices
@@ -25,48 +24,13 @@ ROOT = Path(__file__).parent.parent
 CLASSES = [d for d in yaml.safe_load_all((ROOT / "deploy" / "dra" / "deviceclasses.yaml").read_text()) if d]
 EXAMPLE = [d for d in yaml.safe_load_all((Path(__file__).parent / "fixtures" / "dra_example.yaml").read_text()) if d]
 A100 = default_catalog().get("A100-80GB")
-CEL = celpy.Environment()
-
-
-def _quantity(raw: str) -> celtypes.IntType:
-    return celtypes.IntType(int(quantity(str(raw), "cel", "quantity")))
-
-
-def _compare_to(a: celtypes.IntType, b: celtypes.IntType) -> celtypes.IntType:
-    return celtypes.IntType((a > b) - (a < b))
-
-
-FUNCTIONS = {"quantity": _quantity, "compareTo": _compare_to}
-
-
-def activation(driver: str, device: dict[str, Any]) -> dict[str, Any]:
-    """`device` as Kubernetes' DRA CEL environment shows it: attributes and capacity by domain (an unqualified
-    name is in the driver's domain), capacity as quantities (here: whole base units)."""
-    attributes: dict[str, dict[str, Any]] = {}
-    for name, value in device.get("attributes", {}).items():
-        domain, _, short = name.rpartition("/")
-        [(_, plain)] = value.items()
-        attributes.setdefault(domain or driver, {})[short] = plain
-    capacity: dict[str, dict[str, Any]] = {}
-    for name, value in device.get("capacity", {}).items():
-        domain, _, short = name.rpartition("/")
-        capacity.setdefault(domain or driver, {})[short] = int(quantity(value["value"], "cel", name))
-    cel = celpy.json_to_cel({"driver": driver, "attributes": attributes, "capacity": capacity,
-                             "allowMultipleAllocations": bool(device.get("allowMultipleAllocations", False))})
-    return {"device": cel}
+CEL = SelectorCache()
 
 
 def matches(selectors: list[dict[str, Any]], driver: str, device: dict[str, Any]) -> bool:
-    """Every selector true (evaluated in order, the first false one ends it); an evaluation error raises, as it
-    fails the allocation in Kubernetes."""
-    for selector in selectors:
-        program = CEL.program(CEL.compile(selector["cel"]["expression"]), functions=FUNCTIONS)
-        result = program.evaluate(activation(driver, device))
-        if isinstance(result, Exception):
-            raise result
-        if not bool(result):
-            return False
-    return True
+    """Every selector true, in order, with the scheduler's own CEL environment (`gpuplane.kube.dra_cel`); an
+    evaluation error raises `SelectorError`, as it fails the allocation in Kubernetes."""
+    return all(CEL.matches(s["cel"]["expression"], driver, device) for s in selectors)
 
 
 def node_devices(mode: MigMode = MigMode.DYNAMIC) -> dict[str, dict[str, Any]]:
@@ -122,7 +86,7 @@ def test_the_whole_card_class_is_the_extended_resource_gpuplane_io_gpu() -> None
 def test_a_selector_naming_an_attribute_no_device_has_fails_the_evaluation() -> None:
     # the check above can fail: a misspelt attribute is an evaluation error, not a silent non-match
     devices = node_devices()
-    with pytest.raises(celpy.CELEvalError):
+    with pytest.raises(SelectorError):
         typo = 'device.attributes["gpu.gpuplane.io"].modle == "x"'
         chosen("gpu.gpuplane.io", devices, extra=[{"cel": {"expression": typo}}])
 

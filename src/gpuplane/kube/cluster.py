@@ -242,7 +242,7 @@ class KubeCluster:
             del self._nodes[name]
             return [self._event(EventKind.NODE_REMOVED, node=prev)]
         try:
-            info = node_info(obj, self.catalog)
+            info = self._read_node(obj)
         except ObjectError as exc:
             self._report(key, exc)
             return []
@@ -254,6 +254,14 @@ class KubeCluster:
             return []
         self._nodes[name] = info
         return [self._event(EventKind.NODE_UPDATED, node=info)]
+
+    def _read_node(self, obj: JsonObject) -> NodeInfo:
+        """A node as the view holds it (`objects.node_info`; a subclass may read more, as the DRA world does)."""
+        return node_info(obj, self.catalog)
+
+    def _read_pod(self, obj: JsonObject, request: PodRequest | None) -> PodInfo:
+        """A pod as the view holds it (`objects.pod_info`; `request`: unchanged since last read, else None)."""
+        return pod_info(obj, self.catalog, request=request)
 
     def _pod_change(self, event_type: str, obj: JsonObject | None,
                     before: JsonObject | None = None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
@@ -273,7 +281,7 @@ class KubeCluster:
         same = prev is not None and before is not None and key not in self._unreadable and \
             _asks_the_same(before, obj)
         try:
-            info = pod_info(obj, self.catalog, request=prev.request if same and prev is not None else None)
+            info = self._read_pod(obj, prev.request if same and prev is not None else None)
         except ObjectError as exc:
             self._report(key, exc)
             return []

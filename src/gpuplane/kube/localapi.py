@@ -59,6 +59,8 @@ BUILTIN: dict[tuple[str, str], tuple[str, str]] = {
     ("scheduling.x-k8s.io", "podgroups"): ("PodGroup", "scheduling.x-k8s.io/v1alpha1"),
     ("resource.k8s.io", "resourceslices"): ("ResourceSlice", "resource.k8s.io/v1"),
     ("resource.k8s.io", "resourceclaims"): ("ResourceClaim", "resource.k8s.io/v1"),
+    ("resource.k8s.io", "resourceclaimtemplates"): ("ResourceClaimTemplate", "resource.k8s.io/v1"),
+    ("resource.k8s.io", "deviceclasses"): ("DeviceClass", "resource.k8s.io/v1"),
 }
 SCALABLE = frozenset({"deployments", "replicasets", "statefulsets"})
 KIND_ALIASES = {"pod": "pods", "node": "nodes", "lease": "leases", "deployment": "deployments",

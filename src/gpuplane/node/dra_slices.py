@@ -45,7 +45,8 @@ from typing import Any
 
 from gpuplane.controllers.health import CRITICAL_XIDS
 from gpuplane.kube.api import KubeApi
-from gpuplane.model import MILLI_PER_CARD, CardModel, MigMode, MigProfile
+from gpuplane.kube.dra import DRIVER, PCIE_ROOT, DeviceKind, DeviceRef, device_name, parse_device_name
+from gpuplane.model import MILLI_PER_CARD, CardModel, Catalog, MigMode, MigProfile, NodeSpec
 from gpuplane.node.device_plugin import _nvlink_groups
 from gpuplane.node.gpu import CardInfo, GpuBackend, GpuBackendError
 
@@ -76,9 +77,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 API_VERSION = "resource.k8s.io/v1"
-DRIVER = "gpu.gpuplane.io"
-PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
-"""The upstream standard attribute for the PCIe root complex a device hangs off (`pci<domain>:<bus>`)."""
 MAX_DEVICES = 64
 """ResourceSliceMaxDevicesWithAdvancedFeatures: devices per slice when any consumes counters or has taints."""
 MAX_COUNTER_SETS = 8
@@ -90,50 +88,9 @@ RESOURCE_SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 MIB = 1 << 20
 
 
-class DeviceKind(enum.Enum):
-    CARD = "gpu"
-    MIG = "mig"
-    VGPU = "vgpu"
-
-
 class UnhealthyPolicy(enum.Enum):
     OMIT = "omit"
     TAINT = "taint"
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceRef:
-    """What a published device name stands for (the inverse of `device_name`)."""
-
-    kind: DeviceKind
-    card: int
-    profile_id: int | None = None
-    start: int | None = None
-
-
-def device_name(ref: DeviceRef) -> str:
-    """`gpu-<i>`, `gpu-<i>-vgpu` or `gpu-<i>-mig-<profile id>-<start>` (DNS labels)."""
-    if ref.kind is DeviceKind.CARD:
-        return f"gpu-{ref.card}"
-    if ref.kind is DeviceKind.VGPU:
-        return f"gpu-{ref.card}-vgpu"
-    return f"gpu-{ref.card}-mig-{ref.profile_id}-{ref.start}"
-
-
-_NAME = re.compile(r"gpu-(\d+)(?:-(vgpu)|-mig-(\d+)-(\d+))?")
-
-
-def parse_device_name(name: str) -> DeviceRef | None:
-    """The device a name of `device_name`'s stands for; None for any other name."""
-    match = _NAME.fullmatch(name)
-    if match is None:
-        return None
-    card, vgpu, profile, start = match.groups()
-    if vgpu:
-        return DeviceRef(DeviceKind.VGPU, int(card))
-    if profile is not None:
-        return DeviceRef(DeviceKind.MIG, int(card), int(profile), int(start))
-    return DeviceRef(DeviceKind.CARD, int(card))
 
 
 def counter_set_name(card: int) -> str:
@@ -385,3 +342,20 @@ class SlicePublisher:
         health = card_health(self.backend, self._infos)
         slices = resource_slices(self._infos, self.model, self.settings, health=health, pcie_roots=self._pcie_roots)
         return publish_slices(self.api, self.settings.node_name, slices)
+
+
+def spec_slices(spec: NodeSpec, catalog: Catalog, *, split: int = 10, generation: int = 1) -> list[dict[str, Any]]:
+    """The pool a node agent publishes for the cards `spec` describes (the simulator's and the benchmarks' nodes):
+    card `i` is `GPU-<node>-<i>` with the spec's NUMA node, PCIe switch (as the PCIe root `pci<domain>:<bus>`,
+    switch = domain × 256 + bus) and NVLink groups, the catalog model's memory, and the spec's MIG mode. The DRA
+    world reads the same `NodeSpec` back from it (no slices for a node without cards)."""
+    if spec.gpu_model is None or not spec.gpus:
+        return []
+    model = catalog.get(spec.gpu_model)
+    peers = {c: tuple(sorted(set(g) - {c})) for g in spec.topology.nvlink_groups for c in g}
+    infos = [CardInfo(i, f"GPU-{spec.name}-{i}", model.name, model.memory_mib * MIB, numa=spec.topology.numa[i],
+                      nvlink_peers=peers.get(i, ())) for i in range(spec.gpus)]
+    roots = {i: f"pci{spec.topology.pcie_switch[i] >> 8:04x}:{spec.topology.pcie_switch[i] & 0xFF:02x}"
+             for i in range(spec.gpus)}
+    return resource_slices(infos, model, SliceSettings(spec.name, split=split, mig_mode=spec.mig_mode),
+                           generation=generation, pcie_roots=roots)
