@@ -16,6 +16,7 @@ from gpuplane.cli.main import app
 from gpuplane.controllers.health import QUARANTINE_TAINT
 from gpuplane.model import Fraction, WholeCards, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, TRAINING
+from gpuplane.port import ClusterEvent, EventKind
 from gpuplane.sim.platform import CAPABILITIES, SCENARIO, PlatformSettings, build_fleet, run_arm
 from gpuplane.sim.platform.fleet import DEV_POOL, TIDAL_POOL, TRAINING_POOL, pool_configs
 from gpuplane.sim.platform.work import gpu_form
@@ -220,8 +221,31 @@ def test_simulate_runs_the_platform_week(tmp_path: Path) -> None:
 def test_the_backlogs_stay_full_within_a_step() -> None:
     """With one refill a step a backlog of 4 near-line pods submits at most 4 a minute, however much room the
     inference cards have; refilled until the scheduler places none, the near-line work fills the room the
-    scaled-down services leave, and inference allocation rises."""
-    capped = run_arm(PlatformSettings(**{**TINY, "backlog_rounds": 1}))
-    full = run_arm(PlatformSettings(**TINY))
+    scaled-down services leave, and inference allocation rises. (One pod a near-line task, so that the pods
+    turn over as fast as the refill matters: a worker stays, and the backlog's rate matters less.)"""
+    churn = {**TINY, "nearline_worker": False}
+    capped = run_arm(PlatformSettings(**{**churn, "backlog_rounds": 1}))
+    full = run_arm(PlatformSettings(**churn))
     assert sum(full.alloc["inference"]) > sum(capped.alloc["inference"])
     assert sum(full.util["inference"]) > sum(capped.util["inference"])
+
+
+def _count_nearline_pods(world: World, counts: list[int]) -> None:
+    def on_event(event: ClusterEvent) -> None:
+        if event.kind is EventKind.POD_ADDED and event.pod is not None and event.pod.name.startswith("nearline-"):
+            counts[0] += 1
+
+    world.cluster.watch(on_event)
+
+
+def test_a_nearline_worker_takes_its_next_task_in_place() -> None:
+    """The assumption that near-line pods are queue workers, moved: with one pod a task every completion
+    deletes a pod and schedules a new one (a tenth of a card-hour's task is ~2 pods an hour a slot); a worker
+    stays, so far fewer near-line pods are created, and the share it held is not left empty between tasks,
+    so the inference cards' utilisation is not lower."""
+    per_task, worker = [0], [0]
+    one = run_arm(PlatformSettings(**{**TINY, "nearline_worker": False}), lambda w: _count_nearline_pods(w, per_task))
+    kept = run_arm(PlatformSettings(**{**TINY, "nearline_worker": True}), lambda w: _count_nearline_pods(w, worker))
+    assert 0 < worker[0] < per_task[0] / 2
+    assert sum(kept.util["inference"]) >= sum(one.util["inference"])
+    assert kept.batch.useful_gpu_h > 0

@@ -63,6 +63,9 @@ class PlatformSettings(WorldSettings):
     burst_factor: float = Field(default=1.6, ge=1)
     burst_minutes: float = Field(default=20.0, gt=0)
     target_util_pct: float = Field(default=70.0, gt=0, le=100, description="the GPU scaler's per-replica target")
+    gateway_demand: bool = Field(default=True, description=(
+        "the scaled objects also read the gateway's request rate (`demand_query`), which does not saturate as a "
+        "busy GPU does (off: the GPU metric alone)"))
     static_headroom: float = Field(default=0.1, ge=0, description="vanilla's static replicas: the peak plus this")
     # -- training
     teams: int = Field(default=4, ge=1, description="training teams, each a queue with a quota")
@@ -91,7 +94,10 @@ class PlatformSettings(WorldSettings):
     batch_busy: float = Field(default=0.8, ge=0, le=1)
     nearline_backlog: int = Field(default=40, ge=1, description="near-line pods kept pending (co-location)")
     nearline_milli: int = Field(default=300, ge=50, le=900, description="GPU share a near-line pod asks for")
-    nearline_hours: float = Field(default=0.5, gt=0)
+    nearline_hours: float = Field(default=0.5, gt=0, description="a near-line task's mean work")
+    nearline_worker: bool = Field(default=True, description=(
+        "a near-line pod is a queue worker that takes the next task in place when one completes, as a message "
+        "queue's consumer does (off: one pod a task, each completion frees its share and a new pod is scheduled)"))
     backlog_rounds: int = Field(default=50, ge=1, description="each step, the backlogs are refilled and scheduled "
                                 "again while the scheduler places what was refilled, at most this many rounds "
                                 "(1: one refill a step, so a backlog of N submits at most N a step)")

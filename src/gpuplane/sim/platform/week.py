@@ -74,7 +74,7 @@ from gpuplane.sim.platform.fleet import (
 )
 from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, gpu_form, service_pools
 from gpuplane.sim.scenario import DAY_S, CheckpointingJob, WorkLedger, build_world
-from gpuplane.sim.scenario.signal import DcgmSignal, SignalSettings
+from gpuplane.sim.scenario.signal import DcgmSignal, ScrapedRate, SignalSettings
 from gpuplane.sim.scenario.world import World
 from gpuplane.sim.training_faults import TrainingFaultsSettings, bundled_library
 
@@ -84,12 +84,30 @@ MIB = 1 << 20
 JOB_LABEL = "gpuplane.io/job"
 FAULT = "fault"
 PREEMPTED = "preempted"
+NEARLINE = "nearline"
+"""The task kind of near-line work co-located on inference cards (its pods are named after it)."""
 CLASSES = (ONLINE, TRAINING, DEV, BATCH_LOW)
 NIGHT = TidalWindow(name="night", shrink_at="22:30", lend_from="23:30", reclaim_at="07:30")
 
 
 class PlatformError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Scaled:
+    """One scaled object of the GPU scaler and the series it reads: its cards' DCGM field and its gateway's rate."""
+
+    scaler: ScaledObjectScaler
+    dcgm: DcgmSignal
+    gateway: ScrapedRate
+    source: SimPrometheus
+
+    def tick(self, now: float, load: float, ready: int, capacity: float, arrivals: int) -> None:
+        """The step from `now`: the ready replicas serve what they can of `load`; the scaler polls."""
+        self.dcgm.tick(now, min(load / capacity, float(ready)), ready, max(ready, 1))
+        self.gateway.tick(now, arrivals)
+        self.scaler.poll(now, self.source)
 
 
 @dataclass(slots=True, eq=False)
@@ -202,14 +220,19 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     serving: dict[str, tuple[Service, float]] = {}
     """replica pod → its service and when it serves"""
     signal_rng = np.random.default_rng([s.seed, 3])
-    scalers: dict[str, tuple[ScaledObjectScaler, DcgmSignal, SimPrometheus]] = {}
+    scalers: dict[str, _Scaled] = {}
+    arrivals_rng = np.random.default_rng([s.seed, 11])
     if s.autoscale:
         for svc in (*scaled, *tidal_services):  # a tidal service's count is split by the tidal controller
             query = f'sum(DCGM_FI_DEV_GPU_UTIL{{namespace="serving",pod=~"{svc.name}-.*"}})'
+            arrivals = f'sum(rate(gateway_requests_total{{service="{svc.name}"}}[1m]))'
             spec = ScaledObjectSpec(name=svc.name, namespace="serving", query=query,
+                                    demand_query=arrivals if s.gateway_demand else None,
                                     target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4)
             dcgm = DcgmSignal(SignalSettings(), dt, signal_rng)
-            scalers[svc.name] = (ScaledObjectScaler(spec), dcgm, SimPrometheus({query: dcgm.query}))
+            gateway = ScrapedRate(dt, dt, 0.0)
+            scalers[svc.name] = _Scaled(ScaledObjectScaler(spec), dcgm, gateway,
+                                        SimPrometheus({query: dcgm.query, arrivals: gateway.query}))
             if svc.kind == SCALED:
                 cluster.scale(svc.name, max(1, math.ceil(svc.load(0.0) / s.per_replica_capacity)))
     else:
@@ -225,7 +248,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         tidal = TidalController(cluster, _tidal_policy(s, tidal_services), bindings, forecaster, loop.now,
                                 load=lambda name: by_workload[f"{name}-tidal"].load(max(0.0, loop.now() - 60.0)),
                                 lend=s.tidal, training_pool=TRAINING_POOL, tidal_pool=TIDAL_POOL, seed=s.seed,
-                                replicas=(lambda name: scalers[name][0].desired) if s.autoscale else None)
+                                replicas=(lambda name: scalers[name].scaler.desired) if s.autoscale else None)
     else:
         for svc in tidal_services:
             static = svc.static_replicas(s.per_replica_capacity, s.static_headroom)
@@ -269,6 +292,10 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             if not status.ok:
                 raise PlatformError(status.message)
 
+    def nearline_job(name: str) -> CheckpointingJob:
+        work = float(np.clip(job_rng.exponential(s.nearline_hours * 3600.0), 120.0, 4 * s.nearline_hours * 3600.0))
+        return CheckpointingJob(name, work, s.nearline_milli / MILLI_PER_CARD, save)
+
     def new_task(kind: str) -> _Task:
         counter[0] += 1
         name = f"{kind}-{counter[0]:06d}"
@@ -294,10 +321,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                  priority_class=BATCH_LOW, qos=QoS.BEST_EFFORT, pools=frozenset({TRAINING_POOL}),
                                  tolerations=(Toleration(LOAN_TAINT.key),), checkpoint_every_s=s.checkpoint_every_s)
             task = _Task(kind, job, 1, request)
-        elif kind == "nearline":
-            work = float(np.clip(job_rng.exponential(s.nearline_hours * 3600.0), 120.0,
-                                 4 * s.nearline_hours * 3600.0))
-            job = CheckpointingJob(name, work, s.nearline_milli / MILLI_PER_CARD, save)
+        elif kind == NEARLINE:
+            job = nearline_job(name)
             request = PodRequest(name, cpu_milli=2000, memory_mib=8192, gpu=gpu_form(s, "T4", s.nearline_milli, 0.25),
                                  priority_class=BATCH_LOW, qos=QoS.OFFLINE, pools=frozenset({INFERENCE_POOL}),
                                  checkpoint_every_s=s.checkpoint_every_s)
@@ -318,7 +343,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         waiting = Counter(t.kind for t in tasks.values() if not t.bound and not t.stopping)
         submitted = 0
         for kind, on, backlog in ((TRAINING, True, s.training_backlog), (BATCH_LOW, s.backfill, s.batch_backlog),
-                                  ("nearline", s.colocation, s.nearline_backlog)):
+                                  (NEARLINE, s.colocation, s.nearline_backlog)):
             if on:
                 for _ in range(backlog - waiting[kind]):
                     new_task(kind)
@@ -330,6 +355,11 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             return
         task.job.complete(loop.now())
         (run.ledger if task.kind == TRAINING else run.batch).completed(task.job)
+        if task.kind == NEARLINE and s.nearline_worker and loop.now() < horizon:
+            counter[0] += 1  # the worker takes the queue's next task in place
+            task.job = nearline_job(f"{task.request.name}#{counter[0]:06d}")
+            start(task)
+            return
         run.jobs_done += task.kind == TRAINING
         task.done = task.stopping = True
         if recovery is not None and task.kind == TRAINING:
@@ -574,21 +604,17 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
                 run.slo_minutes += dt / 60.0
             if svc.name in scalers:
-                scaler, dcgm, source = scalers[svc.name]
-                busy = min(load / s.per_replica_capacity, float(up))
-                dcgm.tick(now, busy * 100.0 / 100.0, up, max(up, 1))
-                scaler.poll(now, source)
-                if scaler.replicas > 0:
-                    cluster.scale(svc.name, max(1, scaler.replicas))
+                scaled_ = scalers[svc.name]
+                scaled_.tick(now, load, up, s.per_replica_capacity, int(arrivals_rng.poisson(load * dt)))
+                if scaled_.scaler.replicas > 0:
+                    cluster.scale(svc.name, max(1, scaled_.scaler.replicas))
         for svc in tidal_services:
             load = svc.load(now)
             up = ready[svc.name]
             if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
                 run.slo_minutes += dt / 60.0
             if svc.name in scalers:  # the tidal controller applies the count (and holds its floor)
-                scaler, dcgm, source = scalers[svc.name]
-                dcgm.tick(now, min(load / s.per_replica_capacity, float(up)), up, max(up, 1))
-                scaler.poll(now, source)
+                scalers[svc.name].tick(now, load, up, s.per_replica_capacity, int(arrivals_rng.poisson(load * dt)))
         if tidal is not None:
             tidal.reconcile()
         dev_boxes()
@@ -638,7 +664,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                 continue
             card = (b.assignment.node, b.assignment.card_indexes[0])
             task = task_of.get(b.request.name)
-            if task is not None and task.kind == "nearline":
+            if task is not None and task.kind == NEARLINE:
                 offline[card].append(b.request.name)
             elif b.request.workload is not None:
                 online[card] += busy_milli(b.request.name, b.assignment.gpu_milli, ready)
@@ -686,7 +712,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         if task.job is None or not task.job.running or task.hung:
             return 0.0
         busy = s.training_busy if task.kind == TRAINING else s.batch_busy
-        if task.kind == "nearline":
+        if task.kind == NEARLINE:
             return busy * s.nearline_milli * offline_share.get(name, 1.0)
         return busy * milli
 
