@@ -324,6 +324,9 @@ class RecoveryController:
         self.jobs: dict[str, GangJob] = {}
         self.adopted: dict[str, AdoptedGang] = {}
         self._adopted_by_key: dict[tuple[str, ...], dict[str, AdoptedGang]] = {}
+        self._adopted_seen: dict[str, set[str]] = {}
+        """Adopted gang → its pods seen running since adoption: a gang of `nodes` pods cannot be all running
+        before that many were, so the world is read only from then on."""
         """a member's gang name or label → the adopted gangs it may belong to (a bind looks only at those)"""
         self.history: list[RecoveryRecord] = []
         self._member_of: dict[str, GangJob] = {}
@@ -354,6 +357,7 @@ class RecoveryController:
         self._adopted_by_key.setdefault(gang.key, {})[gang.name] = gang
         pods = self.port.list_pods()
         members = gang.members(pods)
+        self._adopted_seen[gang.name] = {p.name for p in members if p.phase is PodPhase.RUNNING}
         if gang.running_since is None and self._all_running(gang, members):
             gang.running_since = self.now()
         return gang
@@ -361,6 +365,7 @@ class RecoveryController:
     def forget(self, name: str) -> None:
         """Stop watching an adopted gang (its owner deleted it)."""
         gang = self.adopted.pop(name, None)
+        self._adopted_seen.pop(name, None)
         if gang is not None:
             same = self._adopted_by_key.get(gang.key, {})
             same.pop(name, None)
@@ -561,7 +566,9 @@ class RecoveryController:
             keys.append(("gang", pod.request.gang))
         candidates = {name: gang for key in keys for name, gang in self._adopted_by_key.get(key, {}).items()}
         for gang in candidates.values():
-            if gang.running_since is not None:
+            seen = self._adopted_seen.setdefault(gang.name, set())
+            seen.add(pod.name)
+            if gang.running_since is not None or len(seen) < gang.nodes:
                 continue
             if self._all_running(gang, gang.members(self.port.list_pods())):
                 gang.running_since = t
