@@ -55,7 +55,7 @@ import numpy as np
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, pod_path
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.dra_cel import SelectorCache, SelectorError, cel_quantity
-from gpuplane.kube.informer import MODIFIED, Informer
+from gpuplane.kube.informer import DELETED, MODIFIED, Informer
 from gpuplane.kube.objects import MIG_PROFILE, ObjectError, node_info, object_key, pod_info, pod_request, split_key
 from gpuplane.model import (
     MILLI_PER_CARD,
@@ -108,6 +108,8 @@ PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 ASK_LABEL = f"{DRIVER}/asks"
 """A label-like entry of the `PodRequest` (not on the pod): the digest of the pod's asks. Two pods asking the
 same form through different selectors are different requests (the core remembers failures by request)."""
+CLAIM_WAIT_S = 5.0
+"""How long a new pod whose claim is not in the cache is held back before it is reported (claim not found)."""
 NO_EXECUTE = frozenset({"NoSchedule", "NoExecute"})
 
 
@@ -270,11 +272,18 @@ class Ask:
     """MIG: the profile chosen among those the selectors admit."""
 
     def label(self) -> str:
-        return f"claim {self.claim}, request {self.request!r} (class {self.class_name})"
+        return f"request {self.request!r} (class {self.class_name})"
+
+    @property
+    def selection(self) -> tuple[Any, ...]:
+        """What decides which devices fit (not the claim's name): the key of the cached verdicts."""
+        return self.request, self.class_name, self.selectors, self.kind, self.profile
 
 
 def _digest(asks: Sequence[Ask]) -> str:
-    return hashlib.sha1(repr(tuple(asks)).encode()).hexdigest()[:16]
+    """The asks without their claims' names: pods asking alike share it (and the core's memory of failures)."""
+    content = tuple((a.selection, a.count, a.memory_mib, a.compute_milli) for a in asks)
+    return hashlib.sha1(repr(content).encode()).hexdigest()[:16]
 
 
 CODE_PASS, CODE_NOT_DRA, CODE_NO_KIND, CODE_TAINTED = 0, 1, 2, 3
@@ -302,8 +311,8 @@ class DraBook:
         """digest → asks."""
         self.version = 0
         """Incremented whenever a pool changes (verdict matrices are rebuilt)."""
-        self._verdicts: dict[tuple[str, str, int], np.ndarray] = {}
-        self._matrices: dict[tuple[str, int, int, int], np.ndarray] = {}
+        self._verdicts: dict[tuple[Any, str, int], np.ndarray] = {}
+        self._matrices: dict[tuple[Any, int, int, int], np.ndarray] = {}
         self._dra_rows: dict[tuple[int, int, int], BoolArray] = {}
         self._spec_asks: dict[tuple[str, int, int], list[Ask] | ObjectError] = {}
         self.class_version = 0
@@ -364,7 +373,7 @@ class DraBook:
 
     def verdicts(self, ask: Ask, pool: NodePool) -> np.ndarray:
         """Per card of the pool, the ask's code (`CODE_*`)."""
-        key = (_digest((ask,)), pool.node, pool.generation)
+        key = (ask.selection, pool.node, pool.generation)
         with self.lock:
             cached = self._verdicts.get(key)
             if cached is not None:
@@ -397,7 +406,7 @@ class DraBook:
     def matrix(self, ask: Ask, state: ClusterState) -> np.ndarray:
         """(nodes × card slots) codes of `ask` over the state's nodes."""
         n = state.size
-        key = (_digest((ask,)), id(state.node_index), n, self.version)
+        key = (ask.selection, id(state.node_index), n, self.version)
         with self.lock:
             cached = self._matrices.get(key)
             if cached is not None:
@@ -721,6 +730,8 @@ class DraKubeCluster(KubeCluster):
         self._phantoms: dict[str, tuple[PodInfo, tuple[str, ...]]] = {}
         """Holders gone while others still reserve their claims: kept in the view until those are gone."""
         self._releases: list[tuple[str, tuple[str, ...]]] = []
+        self._deferred: dict[str, tuple[float, list[str]]] = {}
+        """New pods held back until their claims are in the cache: since when, and the claims missing."""
         self._release_lock = threading.Lock()
         super().__init__(api, catalog, clock=clock, start=False, **kwargs)
         watch = kwargs.get("watch_timeout_s", 300)
@@ -784,7 +795,8 @@ class DraKubeCluster(KubeCluster):
         reserved = set(_reserved(current)) if new is not None else set()
         with self.book.lock:
             waiting = {p for p in self._claim_pods.get(key, ()) if split_key(p)[1] not in reserved}
-        self._reread_pending(lambda pod: pod in waiting or f"pod {pod}" in self._unreadable)
+        deferred = {p for p, (_, missing) in list(self._deferred.items()) if key in missing}
+        self._reread_pending(lambda pod: pod in waiting or pod in deferred or f"pod {pod}" in self._unreadable)
 
     def _reread_pending(self, which: Callable[[str], bool]) -> None:
         """Read again the pending pods with claims that `which` names (by `namespace/name`)."""
@@ -896,6 +908,8 @@ class DraKubeCluster(KubeCluster):
     # -------------------------------------------------------------- events: phantoms and releases
     def _pod_change(self, event_type: str, obj: JsonObject | None,
                     before: JsonObject | None = None) -> list[tuple[ClusterEvent, tuple[Handler, ...]]]:
+        if obj is not None and event_type != DELETED and self._defer(obj):
+            return []
         events = super()._pod_change(event_type, obj, before)
         out = []
         for event, handlers in events:
@@ -928,6 +942,27 @@ class DraKubeCluster(KubeCluster):
                     out.append(self._event(EventKind.POD_DELETED, pod=phantom))
         return out
 
+    def _defer(self, obj: JsonObject) -> bool:
+        """Whether a new pod's claims are not in the cache yet (the claim's create and the pod's come on two
+        watch streams): then it is held back, and read when they come (or after `CLAIM_WAIT_S`, and reported)."""
+        key = object_key(obj)
+        if not (obj.get("spec") or {}).get("resourceClaims") or key in self._pods:
+            return False
+        try:
+            names = _pod_claim_names(obj)
+        except ObjectError:
+            return False
+        with self.book.lock:
+            missing = [n for n in names if n not in self.book.claims]
+        if not missing:
+            self._deferred.pop(key, None)
+            return False
+        first = self._deferred.get(key, (self.clock.now(), missing))[0]
+        if self.clock.now() - first >= CLAIM_WAIT_S:
+            return False
+        self._deferred[key] = (first, missing)
+        return True
+
     def _sharing(self, claims: Sequence[str]) -> set[str]:
         """The pods in the view (phantoms aside) that use one of `claims`."""
         with self.book.lock:
@@ -937,6 +972,13 @@ class DraKubeCluster(KubeCluster):
     def pump(self) -> int:
         delivered = super().pump()
         self._release_claims()
+        now = self.clock.now()
+        for key, (first, _) in list(self._deferred.items()):
+            obj = self.pods.get(key)
+            if obj is None:
+                del self._deferred[key]
+            elif now - first >= CLAIM_WAIT_S:
+                self._queue("pod", MODIFIED, None, obj)
         return delivered
 
     def _release_claims(self) -> None:

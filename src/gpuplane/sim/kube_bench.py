@@ -34,10 +34,12 @@ import numpy as np
 
 from gpuplane.kube.api import ApiError, JsonObject, RestKubeApi, pod_path
 from gpuplane.kube.cluster import pod_manifest
+from gpuplane.kube.dra import claim_path, with_claim
 from gpuplane.kube.localapi import FakeApiServer, write_kubeconfig
 from gpuplane.kube.objects import SCHEDULER_NAME
 from gpuplane.kube.standin import node_manifest
 from gpuplane.model import Fraction, GpuForm, NodeSpec, PodRequest, WholeCards, default_catalog
+from gpuplane.sim.dra_bench import SlicesOf, claim_of, dra_node_manifest, publish_dra
 
 NAMESPACE = "bench"
 TARGET_PODS_PER_S = 500.0
@@ -60,11 +62,13 @@ def bench_pods(count: int) -> list[PodRequest]:
 
 
 # ------------------------------------------------------------------ the API server's process
-def _serve(nodes: int, conn: Connection) -> None:
+def _serve(nodes: int, conn: Connection, dra: SlicesOf | None = None) -> None:
     server = FakeApiServer(pod_deletion_delay_s=0.0, keep_requests=False)
     for spec in bench_nodes(nodes):
-        server.add_node(node_manifest(spec))
+        server.add_node(dra_node_manifest(spec) if dra is not None else node_manifest(spec))
     server.start()
+    if dra is not None:  # the node agents' ResourceSlices and the DeviceClasses (`gpuplane.sim.dra_bench`)
+        publish_dra(server.api, bench_nodes(nodes), dra)
     conn.send(server.url)
     while True:
         command = conn.recv()
@@ -78,10 +82,10 @@ def _serve(nodes: int, conn: Connection) -> None:
 class ServerProcess:
     """The API server in a spawned process (its own GIL); `counts()` asks it for its request counts."""
 
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, dra: SlicesOf | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(nodes, child), daemon=True)
+        self._process = context.Process(target=_serve, args=(nodes, child, dra), daemon=True)
         self._process.start()
         deadline = time.monotonic() + 300
         while not self._conn.poll(0.5):
@@ -140,12 +144,17 @@ class _Watcher:
         self._stream.close()
 
 
-def _create(api: RestKubeApi, pods: Sequence[PodRequest], threads: int, rate: float | None = None) -> dict[str, float]:
+def _create(api: RestKubeApi, pods: Sequence[PodRequest], threads: int, rate: float | None = None,
+            dra: bool = False) -> dict[str, float]:
     """Create `pods` from `threads` threads, as fast as the API server takes them or `rate` a second (open loop:
-    pod i is sent at start + i / rate); when each create was sent."""
+    pod i is sent at start + i / rate); when each create was sent (`dra`: each pod's ResourceClaim first, then the
+    pod using it)."""
     sent: dict[str, float] = {}
     lock = threading.Lock()
     manifests = [pod_manifest(p) for p in pods]
+    claims = {m["metadata"]["name"]: claim_of(p) for m, p in zip(manifests, pods, strict=True)} if dra else {}
+    if dra:
+        manifests = [with_claim(m, claims[m["metadata"]["name"]]["metadata"]["name"]) for m in manifests]
     origin = time.perf_counter()
 
     def work(share: Sequence[JsonObject], first: int) -> None:
@@ -155,6 +164,9 @@ def _create(api: RestKubeApi, pods: Sequence[PodRequest], threads: int, rate: fl
                 if delay > 0:
                     time.sleep(delay)
             started = time.perf_counter()
+            claim = claims.get(manifest["metadata"]["name"])
+            if claim is not None:
+                api.create(claim_path(NAMESPACE), claim)
             api.create(pod_path(NAMESPACE), manifest)
             with lock:
                 sent[manifest["metadata"]["name"]] = started
@@ -257,8 +269,9 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads: int, policy: str,
-         timeout_s: float, progress: Progress | None, rate: float | None = None) -> KubeBenchRun:
-    server = ServerProcess(nodes)
+         timeout_s: float, progress: Progress | None, rate: float | None = None,
+         dra: SlicesOf | None = None) -> KubeBenchRun:
+    server = ServerProcess(nodes, dra)
     helper: subprocess.Popen[bytes] | multiprocessing.process.BaseProcess
     replay_conn: Connection | None = None
     with tempfile.TemporaryDirectory(prefix="gpuplane-bench-kube-") as workdir:
@@ -275,13 +288,15 @@ def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads:
             else:
                 log = open(Path(workdir) / "scheduler.log", "wb")  # noqa: SIM115 (closed with the process)
                 kubeconfig = write_kubeconfig(server.url, Path(workdir) / "kubeconfig")
-                helper = subprocess.Popen(
-                    [sys.executable, "-m", "gpuplane.cli.main", "scheduler", "--kubeconfig", str(kubeconfig),
-                     "--scheduler-name", SCHEDULER_NAME, "--no-leader-elect", "--node-policy", policy],
-                    stdout=log, stderr=subprocess.STDOUT)
+                command = [sys.executable, "-m", "gpuplane.cli.main", "scheduler", "--kubeconfig", str(kubeconfig),
+                           "--scheduler-name", SCHEDULER_NAME, "--no-leader-elect", "--node-policy", policy]
+                if dra is not None:
+                    command = [sys.executable, "-m", "gpuplane.cli.dra_cmd", "--kubeconfig", str(kubeconfig),
+                               "--scheduler-name", SCHEDULER_NAME, "--node-policy", policy]
+                helper = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             # One pod first: the scheduler is up and has listed the cluster once it is bound.
             warm = bench_pods(pods + 1)
-            _create(api, warm[:1], 1)
+            _create(api, warm[:1], 1, dra=dra is not None)
             if not watcher.wait(1, 300):
                 raise TimeoutError("the first pod was not bound within 300 s: " + _tail(workdir))
             if progress is not None:
@@ -290,7 +305,7 @@ def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads:
             helper_cpu = _cpu_s(helper.pid)
             client_cpu = time.process_time()
             started = time.perf_counter()
-            sent = _create(api, warm[1:], creators, rate)
+            sent = _create(api, warm[1:], creators, rate, dra=dra is not None)
             done = watcher.wait(pods + 1, timeout_s)
             finished = max(watcher.bound.values())
             after, server_cpu_after = _settled(server)
@@ -314,7 +329,7 @@ def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads:
         progress(f"only {bound:,} of {pods:,} pods bound within {timeout_s:g} s")
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) - before.get(k, 0)}
     writes = sum(v for k, v in delta.items() if k.split()[0] in ("POST", "PUT", "PATCH", "DELETE")
-                 and k != "POST pods")
+                 and k not in ("POST pods", "POST resourceclaims"))
     reads = sum(v for k, v in delta.items() if k.startswith("GET") and not k.endswith("(watch)"))
     per = max(1, bound)
     wall = max(1e-9, finished - started)
@@ -387,17 +402,21 @@ class KubeBenchResult:
 
 def run_kube_bench(node_counts: Sequence[int], *, pods: int = 3000, repeats: int = 3, ceiling: bool = True,
                    creators: int = 4, replay_threads: int = 8, policy: str = "binpack", timeout_s: float = 300.0,
-                   rate: float | None = None, progress: Progress | None = None) -> KubeBenchResult:
+                   rate: float | None = None, progress: Progress | None = None,
+                   dra: SlicesOf | None = None) -> KubeBenchResult:
     """`rate`: pods created a second (open loop) instead of as fast as the API server takes them: latency
-    then shows the scheduler's own delay rather than the queue a burst builds up."""
+    then shows the scheduler's own delay rather than the queue a burst builds up. `dra`: DRA nodes, their
+    cards as the ResourceSlices this function makes (`gpuplane.cli.dra_cmd.bench_slices`), and pods asking
+    through ResourceClaims the scheduler allocates (`gpuplane.kube.dra`); a claim's create counts as the pod's
+    own, its status write as one of the scheduler's."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     figures: list[KubeBenchFigures] = []
     misses: list[str] = []
     for nodes in node_counts:
         runs = [_run(nodes, pods, ceiling=False, creators=creators, replay_threads=replay_threads, policy=policy,
-                     timeout_s=timeout_s, progress=progress, rate=rate) for _ in range(repeats)]
+                     timeout_s=timeout_s, progress=progress, rate=rate, dra=dra) for _ in range(repeats)]
         top = _run(nodes, pods, ceiling=True, creators=creators, replay_threads=replay_threads, policy=policy,
-                   timeout_s=timeout_s, progress=progress, rate=rate) if ceiling else None
+                   timeout_s=timeout_s, progress=progress, rate=rate, dra=dra) if ceiling and dra is None else None
         achieved = statistics.median(r.pods_bound_per_s for r in runs)
         figures.append(KubeBenchFigures(nodes, tuple(runs), achieved, statistics.median(r.p50_ms for r in runs),
                                         statistics.median(r.p99_ms for r in runs),
