@@ -39,6 +39,7 @@ request model before it reaches the core:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import hashlib
@@ -56,7 +57,16 @@ from gpuplane.kube.api import ApiError, JsonObject, KubeApi, pod_path
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.dra_cel import SelectorCache, SelectorError, cel_quantity
 from gpuplane.kube.informer import DELETED, MODIFIED, Informer
-from gpuplane.kube.objects import MIG_PROFILE, ObjectError, node_info, object_key, pod_info, pod_request, split_key
+from gpuplane.kube.objects import (
+    MIG_PROFILE,
+    ObjectError,
+    node_info,
+    object_key,
+    pod_info,
+    pod_request,
+    resource_version,
+    split_key,
+)
 from gpuplane.model import (
     MILLI_PER_CARD,
     Assignment,
@@ -1015,6 +1025,28 @@ class DraKubeCluster(KubeCluster):
                 self.claim_informer.offer(self.api.get(claim_path(namespace, name)))
 
     # -------------------------------------------------------------- writes
+    def bind(self, pod: str, assignment: Assignment, *, node_version: int | None = None) -> Status:
+        """`KubeCluster.bind` for a claims' pod: checked against the view, the claims allocated, the Binding
+        posted (`send_bind`), and the bound pod in the view when the call returns."""
+        namespace, name = split_key(pod)
+        key = f"{namespace}/{name}"
+        if key not in self._uses:
+            return super().bind(pod, assignment, node_version=node_version)
+        with self.lock:
+            info, node = self._pods.get(key), self._nodes.get(assignment.node)
+        if info is None or info.phase is not PodPhase.PENDING:
+            return Status.error(f"conflict: pod {pod} is not pending" if info else f"pod {pod} not found")
+        if node is None or (node_version is not None and node.resource_version != node_version):
+            return Status.error(f"conflict: node {assignment.node} not found or changed")
+        raw = self.pods.get(key)
+        status = self.send_bind(key, assignment)
+        if status.ok and raw is not None:
+            bound = copy.deepcopy(raw)
+            bound.setdefault("spec", {})["nodeName"] = assignment.node
+            self.pods.assume(bound, resource_version(raw))
+            self.pump()
+        return status
+
     def send_bind(self, pod: str, assignment: Assignment) -> Status:
         """Allocate and reserve the pod's claims (each guarded by its resourceVersion), then post the Binding; a
         refusal of either takes back what was written. Pods without claims bind as `KubeCluster` binds them."""
