@@ -23,6 +23,8 @@ from gpuplane.node.gpu import GIB, FakeGpuBackend
 ROOT = Path(__file__).parent.parent
 CLASSES = [d for d in yaml.safe_load_all((ROOT / "deploy" / "dra" / "deviceclasses.yaml").read_text()) if d]
 EXAMPLE = [d for d in yaml.safe_load_all((Path(__file__).parent / "fixtures" / "dra_example.yaml").read_text()) if d]
+ALLOCATION_EXAMPLE = [d for d in yaml.safe_load_all(
+    (Path(__file__).parent / "fixtures" / "dra_allocation_example.yaml").read_text()) if d]
 A100 = default_catalog().get("A100-80GB")
 CEL = SelectorCache()
 
@@ -50,7 +52,8 @@ KIND_OF_CLASS = {"gpu.gpuplane.io": DeviceKind.CARD, "mig.gpu.gpuplane.io": Devi
                  "vgpu.gpu.gpuplane.io": DeviceKind.VGPU}
 
 
-@pytest.mark.parametrize("doc", CLASSES + EXAMPLE, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+@pytest.mark.parametrize("doc", CLASSES + EXAMPLE + ALLOCATION_EXAMPLE,
+                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 @pytest.mark.parametrize("version", ["1.34", "1.35"])
 def test_the_manifests_pass_the_strict_schema(doc: dict[str, Any], version: str) -> None:
     assert kubernetes_validate.validate(doc, version, strict=True) == version

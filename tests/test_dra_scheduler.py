@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +23,7 @@ from gpuplane.kube.dra import (
     CLAIMS,
     DRIVER,
     DeviceKind,
+    claim_from_template,
     claim_manifest,
     claim_path,
     dra_scheduler,
@@ -34,7 +38,7 @@ from gpuplane.model import Fraction, MigMode, MigSlice, NodeSpec, PodRequest, Wh
 from gpuplane.node.dra_slices import spec_slices
 from gpuplane.port import WallClock
 from gpuplane.scheduler import PolicyConfig, default_registry
-from gpuplane.sim.dra_bench import dra_node_manifest, publish_dra
+from gpuplane.sim.dra_bench import device_classes, dra_node_manifest, publish_dra
 
 CATALOG = default_catalog()
 A100 = CATALOG.canonical("A100-80GB")
@@ -137,6 +141,8 @@ def test_a_claim_is_allocated_reserved_then_bound(server: FakeApiServer, gpu: An
     world.submit("p", gpu)
     world.settle(lambda: world.node_of("p") == "dra-0")
     status = world.claim("p-gpu")["status"]
+    # What was written passes the strict resource.k8s.io/v1 schema (1.35: consumedCapacity and shareID included).
+    assert kubernetes_validate.validate(world.claim("p-gpu"), "1.35", strict=True) == "1.35"
     results = status["allocation"]["devices"]["results"]
     got = [r["device"] for r in results]
     assert got == devices if not isinstance(gpu, MigSlice) else (len(got) == 1 and got[0] in devices)
@@ -330,3 +336,40 @@ def test_the_invariant_check_sees_a_double_allocation(server: FakeApiServer, dev
     with pytest.raises(AssertionError):
         _check_allocations(world)
     world.close()
+
+
+# ------------------------------------------------------------------ docs/dra.md's worked example
+EXAMPLE = [d for d in yaml.safe_load_all((Path(__file__).parent / "fixtures" / "dra_allocation_example.yaml")
+                                         .read_text()) if d]
+
+
+def run_example(server: FakeApiServer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The example on a node of two A100-80GB (MIG DYNAMIC): the template, the pod, the claim the resourceclaim
+    controller makes (its name in the pod's status); (the pod, the claim) once the pod is bound."""
+    world = World(server, [a100("node-a")])
+    by_kind = {d["kind"]: d for d in EXAMPLE}
+    deployed = {c["metadata"]["name"]: c["spec"] for c in device_classes()}
+    assert by_kind["DeviceClass"]["spec"] == deployed["mig.gpu.gpuplane.io"]  # the class as deployed
+    world.api.create(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates",
+                     by_kind["ResourceClaimTemplate"])
+    pod = world.api.create(PODS, by_kind["Pod"])
+    claim = world.api.create(claim_path(NS), claim_from_template(by_kind["ResourceClaimTemplate"], pod, "slice"))
+    world.api.patch(f"{PODS}/train/status", {"status": {"resourceClaimStatuses": [
+        {"name": "slice", "resourceClaimName": claim["metadata"]["name"]}]}})
+    world.settle(lambda: world.node_of("train") == "node-a")
+    bound = server.get("pods", f"{NS}/train")
+    allocated = server.get("resourceclaims", f"{NS}/{claim['metadata']['name']}")
+    assert bound is not None and allocated is not None
+    world.close()
+    return bound, allocated
+
+
+def test_the_worked_example_is_allocated_a_3g_slice(server: FakeApiServer) -> None:
+    pod, claim = run_example(server)
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    # binpack's MIG choice: of the two 3g.40gb placements of card 0 (start 0 or 4), the one leaving most
+    # placements; card 0 before card 1 (equal, lower index).
+    assert result == {"request": "slice", "driver": DRIVER, "pool": "node-a", "device": result["device"]}
+    assert result["device"] in {"gpu-0-mig-9-0", "gpu-0-mig-9-4"}
+    assert claim["status"]["reservedFor"] == [{"resource": "pods", "name": "train", "uid": pod["metadata"]["uid"]}]
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "train"
