@@ -805,8 +805,11 @@ class DraKubeCluster(KubeCluster):
         reserved = set(_reserved(current)) if new is not None else set()
         with self.book.lock:
             waiting = {p for p in self._claim_pods.get(key, ()) if split_key(p)[1] not in reserved}
-        deferred = {p for p, (_, missing) in list(self._deferred.items()) if key in missing}
-        self._reread_pending(lambda pod: pod in waiting or pod in deferred or f"pod {pod}" in self._unreadable)
+        waiting |= {p for p, (_, missing) in list(self._deferred.items()) if key in missing}
+        for pod in sorted(waiting):  # the pods naming the claim (an unreadable one registered it too)
+            obj = self.pods.get(pod)
+            if obj is not None and not (obj.get("spec") or {}).get("nodeName"):
+                self._queue("pod", MODIFIED, None, obj)
 
     def _reread_pending(self, which: Callable[[str], bool]) -> None:
         """Read again the pending pods with claims that `which` names (by `namespace/name`)."""
