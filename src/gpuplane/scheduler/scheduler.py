@@ -514,18 +514,19 @@ class Scheduler:
                 continue
             hint, entry.hint_node = entry.hint_node, -1
             self._gone.clear()
-            draws = self._draws()
+            known = self._known_failure(entry) if entry.request.gang is None else None
+            draws = self._draws() if known is None else None  # a known failure draws nothing
             if entry.request.gang is not None:
                 gang_outcomes = self._attempt_gang(entry)
-                if gang_outcomes and _failed(gang_outcomes[0].decision):
+                if draws is not None and gang_outcomes and _failed(gang_outcomes[0].decision):
                     self._undraw(draws)
                 for outcome in gang_outcomes:
                     outcomes.append(outcome)
                     if on_outcome is not None:
                         on_outcome(outcome)
                 continue
-            decision = self._attempt_once(entry)
-            if _failed(decision):
+            decision = known if known is not None else self._attempt_once(entry)
+            if draws is not None and _failed(decision):
                 self._undraw(draws)
             if hint >= 0 and decision.node != hint:
                 recheck.add(hint)
@@ -553,6 +554,24 @@ class Scheduler:
         search that tried only its `max_candidates` best nodes (adding pods reorders them)."""
         if not self.rules.queueing_hints:
             return self._attempt(entry)
+        known = self._known_failure(entry)
+        if known is not None:
+            return known
+        key = entry.alike
+        assert key is not None
+        self._exact = True
+        decision = self._attempt(entry)
+        if self._exact and decision.status.code is Code.UNSCHEDULABLE and entry.request.name not in self.state.bindings:
+            # The cache is as it was (a trial releasing backfill put it back): nothing was gained.
+            self._gained = self._memo_epoch
+            self._memo[key] = decision
+        return decision
+
+    def _known_failure(self, entry: QueuedPod) -> Decision | None:
+        """The failure memo's answer for a pod asking exactly what a pod that failed since the cache last gained
+        anything asked (with the hints on), counted as a skipped attempt; None: it must be tried."""
+        if not self.rules.queueing_hints:
+            return None
         if self._memo_epoch != self._gained:
             self._memo.clear()
             self._memo_epoch = self._gained
@@ -562,14 +581,7 @@ class Scheduler:
         known = self._memo.get(key)
         if known is not None:
             self.stats.attempts_skipped += 1
-            return known
-        self._exact = True
-        decision = self._attempt(entry)
-        if self._exact and decision.status.code is Code.UNSCHEDULABLE and entry.request.name not in self.state.bindings:
-            # The cache is as it was (a trial releasing backfill put it back): nothing was gained.
-            self._gained = self._memo_epoch
-            self._memo[key] = decision
-        return decision
+        return known
 
     def _note_truncation(self, candidates: int) -> None:
         if candidates > self.preemption.max_candidates:
