@@ -761,6 +761,7 @@ class DraKubeCluster(KubeCluster):
             informer.start()
         for informer in informers:
             if not informer.wait_synced(self.sync_timeout_s):
+                self.close()  # a leader retries with a new cluster: these informers must not live on
                 raise TimeoutError(f"the API server did not answer the first list of {informer.name} within "
                                    f"{self.sync_timeout_s}s ({informer.last_error or 'no answer'})")
         super().start()
@@ -1153,15 +1154,16 @@ def _share(ref: DeviceRef, result: Mapping[str, Any], model: CardModel) -> CardS
 
 
 def dra_scheduler(api: KubeApi, profile: Profile, *, catalog: Catalog, clock: Clock,
-                  scheduler_name: str, **kwargs: Any) -> Any:
-    """A `SchedulerMode` that allocates claims: its profile with `DraFilter`, its cluster a `DraKubeCluster`."""
+                  scheduler_name: str, sync_timeout_s: float = 300.0, **kwargs: Any) -> Any:
+    """A `SchedulerMode` that allocates claims: its profile with `DraFilter`, its cluster a `DraKubeCluster`
+    (`sync_timeout_s`: for the first lists; a pool of a thousand MIG-capable nodes is a large list)."""
     from gpuplane.kube.scheduler_mode import SchedulerMode
 
     book = DraBook(catalog)
     return SchedulerMode(api, dra_profile(profile, book), catalog=catalog, clock=clock,
                          scheduler_name=scheduler_name, cluster_factory=lambda: DraKubeCluster(
                              api, catalog, book, clock=clock, dispatch="manual", eviction_attempts=1,
-                             scheduler_name=scheduler_name), **kwargs)
+                             scheduler_name=scheduler_name, sync_timeout_s=sync_timeout_s), **kwargs)
 
 
 # ------------------------------------------------------------------ a request as a claim (tests, bench, parity)
