@@ -110,8 +110,15 @@ def _run_star(args: tuple[RunKey, str | None]) -> RunResult:
 
 
 def sweep(traces: Sequence[str], policies: Sequence[str], seeds: Sequence[int], *, nodes_path: str | None = None,
-          workers: int = 2, progress: Callable[[int, int], None] | None = None) -> list[RunResult]:
-    """Every (trace, policy, seed) run, in a pool of `workers` processes. Order of results: as listed."""
+          workers: int = 2, progress: Callable[[int, int], None] | None = None,
+          ray_address: str | None = None) -> list[RunResult]:
+    """Every (trace, policy, seed) run, in a pool of `workers` processes. Order of results: as listed.
+
+    `ray_address` (`host:port` of an existing Ray cluster, or `auto`) runs the replays as Ray tasks there
+    instead, one CPU each; `workers` is then ignored. Every run is deterministic in its key, so the results
+    are the same either way (apart from `wall_s`). The cluster's workers need gpuplane installed, and the
+    trace and node files at the same paths (the bundled traces travel with the package).
+    """
     # Load every input here: bad files fail before any worker starts, and forked workers inherit the cache.
     _nodes(nodes_path)
     for trace in traces:
@@ -131,12 +138,41 @@ def sweep(traces: Sequence[str], policies: Sequence[str], seeds: Sequence[int], 
             if progress is not None:
                 progress(done, len(keys))
 
-    if workers <= 1:
+    if ray_address is not None:
+        finished(_ray_map(jobs, ray_address))
+    elif workers <= 1:
         finished(run_one(*job) for job in jobs)
     else:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             finished(pool.imap_unordered(_run_star, jobs))
     return [r for r in results if r is not None]
+
+
+def _ray_map(jobs: Sequence[tuple[RunKey, str | None]], address: str) -> Iterator[RunResult]:
+    """Each job as one Ray task on the cluster at `address`, yielded as the tasks finish."""
+    try:
+        import ray
+    except ImportError:
+        raise GpuplaneError("--ray needs Ray: pip install 'gpuplane[ray]'") from None
+    try:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise GpuplaneError(f"--ray {address}: cannot join the Ray cluster: {exc}") from None
+    try:
+        task = ray.remote(num_cpus=1)(_run_star)
+        pending = [task.remote(job) for job in jobs]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            result: RunResult = ray.get(ready[0])
+            yield result
+    finally:
+        ray.shutdown()
+
+
+def runs_rows(results: Sequence[RunResult]) -> list[tuple[str, str, int, int, float]]:
+    """(trace, policy, seed, arrived %, allocation %) for every run and arrived point: the `runs.csv` rows."""
+    return [(r.key.trace, r.key.policy, r.key.seed, int(x), a)
+            for r in results for x, a in zip(ARRIVED_POINTS, r.allocation_pct, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
