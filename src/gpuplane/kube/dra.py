@@ -324,6 +324,7 @@ class DraBook:
         self._verdicts: dict[tuple[Any, str, int], np.ndarray] = {}
         self._matrices: dict[tuple[Any, int, int, int], np.ndarray] = {}
         self._dra_rows: dict[tuple[int, int, int], BoolArray] = {}
+        self._splits: dict[tuple[int, int, int], np.ndarray] = {}
         self._spec_asks: dict[tuple[str, int, int], list[Ask] | ObjectError] = {}
         self.class_version = 0
 
@@ -359,6 +360,7 @@ class DraBook:
                 self.version += 1
                 self._matrices.clear()
                 self._dra_rows.clear()
+                self._splits.clear()
                 return node
         return None
 
@@ -445,9 +447,18 @@ class DraBook:
             return cached
 
     def split_of(self, state: ClusterState) -> np.ndarray:
+        """Per node of the state, its vGPU devices' shares (0 off DRA nodes)."""
         n = state.size
-        return np.array([self.pools[s.name].split if s.name in self.pools else 0 for s in state.nodes[:n]],
-                        np.int64)
+        key = (id(state.node_index), n, self.version)
+        with self.lock:
+            cached = self._splits.get(key)
+            if cached is None:
+                cached = np.array([self.pools[s.name].split if s.name in self.pools else 0
+                                   for s in state.nodes[:n]], np.int64)
+                if len(self._splits) > 64:
+                    self._splits.clear()
+                self._splits[key] = cached
+            return cached
 
     # -------------------------------------------------------------- asks of a claim
     def read_asks(self, claim: Mapping[str, Any]) -> list[Ask]:
