@@ -421,12 +421,12 @@ class ComputeSpy:
         self.calls: list[list[int]] = []
         original = FgdScore._compute
 
-        def spy(request: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+        def spy(plugin: FgdScore, request: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
                 card_ok: BoolArray | None = None) -> tuple[IntArray, IntArray]:
             self.calls.append([int(i) for i in nodes])
-            return original(request, state, nodes, shapes, card_ok)
+            return original(plugin, request, state, nodes, shapes, card_ok)
 
-        monkeypatch.setattr(FgdScore, "_compute", staticmethod(spy))
+        monkeypatch.setattr(FgdScore, "_compute", spy)
 
     def take(self) -> list[list[int]]:
         calls, self.calls = self.calls, []

@@ -29,6 +29,7 @@ from gpuplane.scheduler.plugins.constraints import (
     TaintTolerationScore,
 )
 from gpuplane.scheduler.plugins.fgd import FgdCardPicker, FgdScore, FgdUsedScore, OnlineFgdScore
+from gpuplane.scheduler.plugins.fgd_plus import FgdPlusScore
 from gpuplane.scheduler.plugins.fit import GpuFit, NodeFit
 from gpuplane.scheduler.plugins.frag import TypicalPods
 from gpuplane.scheduler.plugins.topo import CustomTopo, TopoConfig
@@ -166,6 +167,9 @@ def default_registry() -> Registry:
     registry.register_node_policy("fgd-online", lambda c: _paper(OnlineFgdScore(), FgdCardPicker()))
     # Ours: online M, ties go to nodes already in use (docs/fragmentation.md).
     registry.register_node_policy("fgd-used", lambda c: _paper(FgdUsedScore(), FgdCardPicker()))
+    # Ours: FGD with M from history, a coarser score and used nodes first, tuned on seeds 0-9.
+    registry.register_node_policy("fgd-plus", lambda c: _paper(FgdPlusScore(_typical(c)), FgdCardPicker()))
+    registry.register_card_policy("fgd-plus", lambda c: ((), FgdCardPicker()))
     # Ours: offline pods onto cards with little online load and a matching memory-to-compute ratio.
     registry.register_node_policy("colocation", lambda c: NodePolicy(
         (WeightedScore(ColocationScore()), WeightedScore(BinpackScore(c.weights))), ColocationCardPicker()))

@@ -34,6 +34,8 @@ class _Cache:
 
 class FgdScore:
     name = "FGD"
+    delta_scale = 1000.0
+    """Δ is scored as ⌊100 · sigmoid(Δ / delta_scale)⌋; a coarser scale makes more nodes tie."""
 
     def __init__(self, typical: TypicalPods) -> None:
         self.typical = typical
@@ -77,10 +79,10 @@ class FgdScore:
         cycle.write(FGD_CARD, cache.card)
         return cache.score[nodes].astype(np.float64)
 
-    @staticmethod
-    def _compute(pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+    def _compute(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
                  card_ok: BoolArray | None = None) -> tuple[IntArray, IntArray]:
         """Scores and chosen cards of `nodes`; `card_ok` (nodes × cards) is what the filters allow."""
+        scale = self.delta_scale
         usable = state.card_valid[nodes] & ~state.card_mig[nodes]
         free = np.where(usable, state.card_milli_free[nodes], 0)
         cpu = state.cpu_free[nodes]
@@ -100,7 +102,7 @@ class FgdScore:
             after_free = free[:, None, :] - d * np.eye(width, dtype=np.int64)[None]
             after = fragmentation(after_free, np.repeat(cpu_after[:, None], width, axis=1),
                                   np.repeat(model[:, None], width, axis=1), shapes)
-            per_card = np.where(fits, sigmoid_score(before[:, None] - after), -1)
+            per_card = np.where(fits, sigmoid_score(before[:, None] - after, scale), -1)
             if gpu.count > 1:
                 # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
                 # take it; the score is the node's fragmentation change, and the picker chooses the cards.
@@ -109,18 +111,18 @@ class FgdScore:
                 np.put_along_axis(taken, best, True, axis=1)
                 taken &= fits
                 after_node = fragmentation(free - d * taken, cpu_after, model, shapes)
-                return sigmoid_score(before - after_node), none
+                return sigmoid_score(before - after_node, scale), none
             card = np.argmax(per_card, axis=1)  # the first card with the best integer score
             return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
         if isinstance(gpu, WholeCards):
             idle = usable & (free == MILLI_PER_CARD) & (state.card_holders[nodes] == 0)
             taken = idle & (np.cumsum(idle, axis=1) <= gpu.count)
             after = fragmentation(np.where(taken, 0, free), cpu_after, model, shapes)
-            return sigmoid_score(before - after), none
+            return sigmoid_score(before - after, scale), none
         if gpu is None and not pod.cpu_milli:
             return np.full(len(nodes), 100, np.int64), none
         after = fragmentation(free, cpu_after, model, shapes)
-        return sigmoid_score(before - after), none
+        return sigmoid_score(before - after, scale), none
 
 
 class OnlineFgdScore(FgdScore):

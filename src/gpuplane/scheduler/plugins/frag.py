@@ -140,9 +140,9 @@ def cluster_fragmentation(state: ClusterState, shapes: ShapeArrays) -> float:
     return float(fragmentation(free, state.cpu_free[:n], state.model_idx[:n], shapes).sum())
 
 
-def sigmoid_score(delta: FloatArray) -> IntArray:
-    """FGD's node score ⌊100 · sigmoid(Δ / 1000)⌋ with Δ in milli-GPU."""
-    out: IntArray = np.floor(100.0 / (1.0 + np.exp(-delta / 1000.0))).astype(np.int64)
+def sigmoid_score(delta: FloatArray, scale: float = 1000.0) -> IntArray:
+    """FGD's node score ⌊100 · sigmoid(Δ / scale)⌋ with Δ in milli-GPU (FGD's scale: 1000)."""
+    out: IntArray = np.floor(100.0 / (1.0 + np.exp(-delta / scale))).astype(np.int64)
     return out
 
 
