@@ -373,3 +373,21 @@ def test_the_worked_example_is_allocated_a_3g_slice(server: FakeApiServer) -> No
     assert result["device"] in {"gpu-0-mig-9-0", "gpu-0-mig-9-4"}
     assert claim["status"]["reservedFor"] == [{"resource": "pods", "name": "train", "uid": pod["metadata"]["uid"]}]
     assert claim["metadata"]["ownerReferences"][0]["name"] == "train"
+
+
+# ------------------------------------------------------------------ bench kube with claims
+def test_bench_kube_with_claims_binds_every_pod_with_three_scheduler_writes() -> None:
+    from gpuplane.cli.dra_cmd import bench_slices
+    from gpuplane.sim import kube_bench
+
+    run = kube_bench.run_kube_bench([10], pods=30, repeats=1, ceiling=False, dra=bench_slices)
+    [measured] = run.figures[0].runs
+    assert measured.bound == 30 and run.figures[0].ceiling is None
+    # Per pod: the client's claim and pod creates; the scheduler's claim status PATCH, Binding and event (the
+    # allocation replaces the device-plugin path's assignment PATCH): 3 writes, no reads beyond the watches.
+    per = measured.requests_per_bound_pod
+    assert (per["POST resourceclaims"], per["POST pods"], per["PATCH resourceclaims/status"],
+            per["POST pods/binding"]) == (1.0, 1.0, 1.0, 1.0)
+    assert "PATCH pods" not in per
+    assert measured.scheduler_writes_per_pod == 3.0 and measured.reads_beyond_watches == 0
+    assert run.ok, run.misses
