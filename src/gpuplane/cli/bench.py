@@ -226,11 +226,12 @@ def classify_bench_log(lines: int, seed: int = 42, match_pct: float = 1.0,
 
 
 def run_classify_bench(lines: int, seed: int = 42, repeats: int = 3) -> dict[str, Any]:
-    """Lines per second of `FailureClassifier.feed_line` over the mixed log (median of `repeats` runs, each
-    on a fresh classifier); checks that exactly the injected lines matched."""
+    """Lines per second of `FailureClassifier.feed_lines` over the mixed log in batches of `BATCH_LINES`, as
+    `gpuplane classify` reads a log (median of `repeats` runs, each on a fresh classifier); checks that exactly
+    the injected lines matched."""
     from statistics import median
 
-    from gpuplane.controllers.classifier import FailureClassifier
+    from gpuplane.controllers.classifier import BATCH_LINES, FailureClassifier
     from gpuplane.model.failures import load_signature_library
 
     library = load_signature_library()
@@ -241,10 +242,10 @@ def run_classify_bench(lines: int, seed: int = 42, repeats: int = 3) -> dict[str
     classifier = FailureClassifier(library)
     for _ in range(repeats):
         classifier = FailureClassifier(library)
-        feed = classifier.feed_line
+        feed = classifier.feed_lines
         started, cpu_started = time.perf_counter(), time.process_time()
-        for node, line in zip(nodes, data, strict=True):
-            feed(node, line)
+        for start in range(0, lines, BATCH_LINES):
+            feed(nodes[start:start + BATCH_LINES], data[start:start + BATCH_LINES])
         rates.append(lines / (time.perf_counter() - started))
         cpu_rates.append(lines / max(time.process_time() - cpu_started, 1e-9))
     stats = classifier.stats()
@@ -264,6 +265,8 @@ def run_classify_bench(lines: int, seed: int = 42, repeats: int = 3) -> dict[str
         "runs_lines_per_s": [round(r) for r in rates],
         "cpu_lines_per_s": round(median(cpu_rates)),
         "runs_cpu_lines_per_s": [round(r) for r in cpu_rates],
+        "batch_lines": BATCH_LINES,
+        "prefilter_engine": classifier.prefilter.engine,
         "verdict": None if verdict.signature is None else verdict.signature.id,
         "verdict_action": verdict.action.value,
     }

@@ -21,13 +21,14 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 
-from gpuplane.controllers.classifier import FailureClassifier, line_timestamp
+from gpuplane.controllers.classifier import BATCH_LINES, FailureClassifier, line_timestamp
 from gpuplane.model.errors import GpuplaneError
 from gpuplane.model.failures import (
     Signature,
@@ -80,6 +81,13 @@ class Review:
                 "templates": [{"template": t.template, "count": t.count, "samples": t.samples,
                                "candidate": t.candidate} for t in self.templates],
                 "stubs": self.stubs, "refused": [{"template": t, "why": w} for t, w in self.refused]}
+
+
+def feed_log(classifier: FailureClassifier, node: str, handle: Iterable[bytes]) -> None:
+    """Feed one node's log to `classifier` in batches of `BATCH_LINES` (`feed_lines`, the fast path)."""
+    lines = iter(handle)
+    while chunk := list(islice(lines, BATCH_LINES)):
+        classifier.feed_lines(node, chunk)
 
 
 def read_lines(path: Path) -> Iterator[str]:

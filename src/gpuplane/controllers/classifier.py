@@ -25,9 +25,21 @@ from __future__ import annotations
 import calendar
 import re
 import time
+from bisect import bisect_right
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from operator import add
 from typing import Any
+
+import numpy as np
+
+try:  # a multi-literal scanner in C; without it the batch scan runs the prefilter regex over the batch
+    import hyperscan as _hyperscan
+except ImportError:  # pragma: no cover - a platform without its wheel
+    _hyperscan = None  # type: ignore[assignment]
 
 from gpuplane.model.failures import (
     EXIT_LINE,
@@ -53,6 +65,11 @@ CAUSE_WINDOW_S = 120.0
 #: A blaming signature seen on every node of an incident of at least this many nodes blames none of them
 #: (the same error everywhere at once is the fabric, the configuration or the job, not a node).
 EVERYWHERE_NODES = 3
+#: Lines per `feed_lines` call that readers of whole logs use (the CLI, the benchmark): enough to amortise the
+#: call, few enough that the joined batch stays in cache.
+BATCH_LINES = 2048
+#: Stands for a matched line among a batch's templates.
+_MATCHED = object()
 #: Characters of an unmatched line that make its template.
 TEMPLATE_CHARS = 160
 #: Characters of a matched line kept as evidence.
@@ -61,6 +78,12 @@ EVIDENCE_CHARS = 512
 #: numbers and hex ids share one entry (and, rarely, lines that differ only in letters a-f at the same places).
 _FOLD = bytes.maketrans(b"123456789abcdefABCDEF", b"000000000aaaaaaAAAAAA")
 _KEY_CACHE = 1 << 16
+#: A shape of the folded key: the whole words whose template is one token whatever their length (digits -> N;
+#: hex with a digit, 0x... -> X) made one canonical word, so that keys differing only in the widths and digit
+#: patterns of such numbers share one template. Words next to `.`, `+` or `-` are left alone (a decimal or an
+#: exponent could take them in).
+_SHAPE_HEX = re.compile(rb"(?<![0-9A-Za-z.+\-])(?:0[xX][0aA]+|(?=[0aA]*0)[0aA]*[aA][0aA]*)(?![0-9A-Za-z.])")
+_SHAPE_DIGITS = re.compile(rb"0(?<![0-9A-Za-z.+\-]0)0*(?![0-9A-Za-z.])")  # lookbehind after the 0: scans faster
 _DECIMAL = re.compile(rb"[0-9]+\.[0-9]+(?:[eE][-+]?[0-9]+)?")
 _WORD = re.compile(rb"[0-9A-Za-z]+")
 _HEX_RUN = re.compile(rb"(?=[0-9a-fA-F]{0,63}[0-9])[0-9a-fA-F]{6,}")
@@ -207,6 +230,8 @@ class FailureClassifier:
         self._seq = 0
         self._counts: dict[bytes, int] = {}
         self._cache: dict[bytes, bytes] = {}
+        self._shapes: dict[bytes, bytes] = {}
+        """`key_shape` of a template key -> the template"""
         # escalation history: (scope, signature id, node) -> times; survives reset(). A signature that does
         # not blame its node counts for the job wherever it runs (node ""): a code fault follows the job.
         self._history: dict[tuple[str, str, str], list[float]] = {}
@@ -239,15 +264,95 @@ class FailureClassifier:
             self._last_t[node] = t
         hit = self._search(line)
         if hit is not None:
-            found = self._classify(node, line, t, hit)
+            found = self._classify(node, line, t, self.prefilter.owners_of(line, hit))
             if found is not None:
                 return found
-        key = line[:TEMPLATE_CHARS].translate(_FOLD)
+        key = line.translate(_FOLD)
         template = self._cache.get(key)
         if template is None:
             template = self._new_template(key, line)
         self._counts[template] += 1
         return None
+
+    def feed_lines(self, node: str | Sequence[str], lines: Sequence[bytes | str]) -> list[SignatureMatch]:
+        """`feed_line(node, line)` for each line in order, without times (`line_time` still reads them), and
+        the matches: the same evidence, counters and unmatched report, faster. `node` names one node for all
+        the lines or one node per line. The batch is joined and the prefilter scans it once (with Hyperscan
+        when it is installed: the same literals, every occurrence reported, so each line is scanned once);
+        only the lines it hits are decoded and classified, the rest are counted by template at once."""
+        count = len(lines)
+        nodes: Sequence[str] | None = None
+        only = ""
+        if isinstance(node, str):
+            only = node
+            self._nodes.add(node)
+        else:
+            if len(node) != count:
+                raise ValueError(f"{len(node)} nodes for {count} lines")
+            nodes = node
+            self._nodes.update(node)
+        if not count:
+            return []
+        cap = self._cap
+        self._lines += count
+        batch: Sequence[Any] = lines
+        joined: bytes | None
+        try:
+            joined = b"\n".join(batch)  # bytes-like lines only; a str (or worse) is converted first
+        except TypeError:
+            batch = [line if line.__class__ is bytes else _as_bytes(line, cap) for line in batch]
+            joined = None
+        if max(map(len, batch)) > cap:
+            self._truncated += sum(1 for line in batch if len(line) > cap)
+            batch = [line[:cap] for line in batch]
+            joined = None
+        if joined is None:
+            joined = b"\n".join(batch)
+        hits = self.prefilter.scan_lines(batch, joined)
+        # the template keys of the whole batch in two C calls, unless a line holds a newline of its own
+        folded = joined.translate(_FOLD)
+        keys = folded.split(b"\n")
+        if len(keys) != count:  # a line holds a newline of its own
+            keys = [bytes(line).translate(_FOLD) for line in batch]
+        matches: list[SignatureMatch] = []
+        matched: list[int] = []
+        for index, owners in hits:
+            found = self._classify(only if nodes is None else nodes[index], bytes(batch[index]), None, owners)
+            if found is not None:
+                matches.append(found)
+                matched.append(index)
+        self._count_templates(batch, keys, matched)
+        return matches
+
+    def _count_templates(self, lines: Sequence[Any], keys: list[bytes], matched: list[int]) -> None:
+        """Count the unmatched lines (all but `matched`) by template as `feed_line` does one by one: the
+        templates of new keys are made in line order, then the lines are counted at once (a prune or a cache
+        clear in between would see other counts, so a batch that could cause one is counted line by line)."""
+        cache = self._cache
+        templates: list[Any] = list(map(cache.get, keys))
+        for index in matched:
+            templates[index] = _MATCHED
+        misses = templates.count(None)
+        if misses:
+            if (len(self._counts) + misses >= 2 * self._max_templates or len(cache) + misses >= _KEY_CACHE
+                    or len(self._shapes) + misses >= _KEY_CACHE):
+                for line, key, known in zip(lines, keys, templates, strict=True):
+                    if known is not _MATCHED:
+                        template = cache.get(key)
+                        if template is None:
+                            template = self._new_template(key, bytes(line))
+                        self._counts[template] += 1
+                return
+            at = -1
+            for _ in range(misses):
+                at = templates.index(None, at + 1)
+                known = cache.get(keys[at])
+                templates[at] = self._new_template(keys[at], bytes(lines[at])) if known is None else known
+        tally = Counter(templates)
+        tally.pop(_MATCHED, None)
+        counts = self._counts
+        for template, times in tally.items():
+            counts[template] += times
 
     def feed_xid(self, node: str, xid: int, t: float | None = None) -> SignatureMatch | None:
         """An Xid event (e.g. from NVML) on `node`."""
@@ -360,9 +465,9 @@ class FailureClassifier:
         self._last_t = {}
         self._unknown_counted = False
 
-    def _classify(self, node: str, line: bytes, t: float | None, hit: re.Match[bytes]) -> SignatureMatch | None:
+    def _classify(self, node: str, line: bytes, t: float | None, owners: set[int]) -> SignatureMatch | None:
+        """Try the signatures of `owners` (a superset of those whose literals occur in `line`)."""
         self._candidates += 1
-        owners = self.prefilter.owners_of(line, hit)
         text = line.decode("utf-8", "replace")
         best: Signature | None = None
         best_rank: tuple[bool, int, bool, int] | None = None
@@ -454,7 +559,13 @@ class FailureClassifier:
 
     def _new_template(self, key: bytes, line: bytes) -> bytes:
         """The template of `line` (cached under `key`, its folded prefix)."""
-        template = normalise_line(line[:TEMPLATE_CHARS])
+        shape = key_shape(key[:TEMPLATE_CHARS])
+        template = self._shapes.get(shape)
+        if template is None:
+            template = normalise_line(line[:TEMPLATE_CHARS])
+            if len(self._shapes) >= _KEY_CACHE:
+                self._shapes.clear()
+            self._shapes[shape] = template
         if template not in self._counts:
             if len(self._counts) >= 2 * self._max_templates:
                 self._prune()
@@ -493,6 +604,18 @@ def _word(m: re.Match[bytes]) -> bytes:
     if all(c in _HEX_CHARS for c in word):
         return b"X"
     return _DIGIT_RUN.sub(b"N", _HEX_RUN.sub(b"X", word))
+
+
+def key_shape(key: bytes) -> bytes:
+    """The shape of a folded template key (`_SHAPE_HEX`, `_SHAPE_DIGITS`): keys of one shape have one template.
+    Worked out per blank-separated token, each token's shape memoised (a blank bounds a word as the ends of the
+    string do, so this is the same as the two substitutions over the whole key)."""
+    return b" ".join(map(_token_shape, key.split(b" ")))
+
+
+@lru_cache(maxsize=_KEY_CACHE)
+def _token_shape(token: bytes) -> bytes:
+    return _SHAPE_DIGITS.sub(b"0", _SHAPE_HEX.sub(b"0x0", token))
 
 
 def normalise_line(line: bytes) -> bytes:
@@ -548,6 +671,7 @@ class Prefilter:
         chosen: set[str] = set()
         owners: dict[bytes, set[int]] = {}
         words: list[tuple[str, ...]] = []
+        exact: dict[bytes, set[int]] = {}  # each word as a Hyperscan expression (bytes) -> its literals' owners
         todo = []
         for text, ignore_case, owner in literals:
             chars = text.encode("utf-8").decode("latin-1")  # one "character" per byte
@@ -559,6 +683,7 @@ class Prefilter:
                         key=lambda i: (0 if atoms[i] in chosen else char_cost(chars[i], ignore_case), i))
             chosen.add(atoms[start])
             owners.setdefault(chars[start:].encode("latin-1").lower(), set()).add(owner)
+            exact.setdefault(_hs_word(chars[start:], ignore_case), set()).add(owner)
             if atoms[start].startswith("["):
                 words.append((re.escape(chars[start].upper()), *atoms[start + 1:]))
                 words.append((re.escape(chars[start].lower()), *atoms[start + 1:]))
@@ -573,6 +698,64 @@ class Prefilter:
                 node = node.setdefault(atom, {})
             node[""] = {}
         self.regex: re.Pattern[bytes] = re.compile(_emit(trie).encode("latin-1") if words else rb"(?!x)x")
+        self._exact = [(word, frozenset(who)) for word, who in sorted(exact.items())]
+        # the batch scan joins lines with a newline, which no literal may contain
+        self._joinable = all(b"\n" not in chars.encode("latin-1") for chars, _, _ in
+                             ((t.encode("utf-8").decode("latin-1"), c, o) for t, c, o in literals))
+        self._database: Any = None
+        self.engine = "hyperscan" if _hyperscan is not None and self._exact and self._joinable else "re"
+        """what `scan_lines` scans with: "hyperscan", or "re" (this regex over the joined batch)"""
+
+    def scan_lines(self, lines: Sequence[bytes], joined: bytes | None = None) -> list[tuple[int, set[int]]]:
+        """The lines in which a literal occurs, in order, each with a superset of the owners of the literals
+        occurring in it (exactly those, with Hyperscan). One scan of the batch joined by newlines (`joined`, when
+        the caller has it)."""
+        if not lines:
+            return []
+        if not self._joinable:
+            return [(i, self.owners_of(line, hit)) for i, line in enumerate(lines)
+                    if (hit := self.regex.search(line)) is not None]
+        if joined is None:
+            joined = b"\n".join(lines)
+        ends: list[int] | None = None  # ends[i]: the offset just past line i's newline
+        found: dict[int, set[int]] = {}
+        if self.engine == "hyperscan":
+            seen: list[tuple[int, int]] = []
+            self._hyperscan().scan(joined, match_event_handler=lambda word, _start, end, _flags, _context:
+                                   seen.append((end, word)))
+            if not seen:
+                return []
+            newlines = np.flatnonzero(np.frombuffer(joined, dtype=np.uint8) == 10)
+            if len(newlines) == len(lines) - 1:  # no line holds a newline: a match's line is the newlines before it
+                where = np.searchsorted(newlines, np.fromiter((end - 1 for end, _ in seen), dtype=np.int64,
+                                                              count=len(seen))).tolist()
+            else:
+                ends = _line_ends(lines)
+                where = [bisect_right(ends, end - 1) for end, _ in seen]
+            exact = self._exact
+            for index, (_, word) in zip(where, seen, strict=True):
+                found.setdefault(index, set()).update(exact[word][1])
+            return sorted(found.items())
+        for match in self.regex.finditer(joined):
+            if ends is None:
+                ends = _line_ends(lines)
+            index = bisect_right(ends, match.start())
+            if index not in found:
+                line = lines[index]
+                hit = self.regex.search(line)
+                assert hit is not None  # the literal found in the batch lies inside this line
+                found[index] = self.owners_of(line, hit)
+        return sorted(found.items())
+
+    def _hyperscan(self) -> Any:
+        """The Hyperscan block database of the words (compiled on first use)."""
+        if self._database is None:
+            assert _hyperscan is not None
+            database = _hyperscan.Database(mode=_hyperscan.HS_MODE_BLOCK)
+            database.compile(expressions=[word for word, _ in self._exact], ids=list(range(len(self._exact))),
+                             flags=0)
+            self._database = database
+        return self._database
 
     def owners_of(self, line: bytes, hit: re.Match[bytes]) -> set[int]:
         """The owners of every literal occurring in `line`, given the first hit (overlaps included)."""
@@ -583,6 +766,22 @@ class Prefilter:
             found.update(self._owners.get(match.group().lower(), ()))
             match = search(line, match.start() + 1)
         return found
+
+
+def _line_ends(lines: Sequence[bytes]) -> list[int]:
+    """The offset just past each line's newline in the lines joined by newlines."""
+    return list(map(add, accumulate(map(len, lines)), range(1, len(lines) + 1)))
+
+
+def _hs_word(chars: str, ignore_case: bool) -> bytes:
+    """A word (one character per byte) as a Hyperscan expression of the same bytes the trie's atoms match."""
+    parts = []
+    for ch in chars:
+        if ignore_case and ch.lower() != ch.upper():
+            parts.append(b"[\\x%02x\\x%02x]" % (ord(ch.upper()), ord(ch.lower())))
+        else:
+            parts.append(b"\\x%02x" % ord(ch))
+    return b"".join(parts)
 
 
 def _emit(node: dict[str, Any]) -> str:
