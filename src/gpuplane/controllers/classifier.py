@@ -11,8 +11,11 @@ of literals, one that every match of each signature must contain (`Signature.lit
 parsed pattern), each trimmed to start at a character that is rare in logs so the regex engine's first-
 character scan skips most positions. Only lines that pass the prefilter are decoded and tried against the
 signatures whose literals they contain. Unmatched lines are counted by template (numbers -> `N`, hex ids
--> `X`); the template of a line is cached under the line with its digits and hex letters folded, so the
-normalising regexes run once per new shape of line, not once per line.
+-> `X`); the template of a line is cached under the line with its digits and hex letters folded, and a new
+key first tries its shape (`key_shape`: whole numbers of any width made one word), so the normalising regexes
+run once per new shape of line, not once per line. `feed_lines` does the same for a batch: one scan of the
+joined batch (Hyperscan over the same literals when installed), the keys folded and split in two C calls, the
+lines counted at once.
 
 Bad input never raises: bytes are decoded with errors="replace" and only when a line passed the prefilter,
 lines are cut to `max_line_bytes` (counted in `stats().truncated_lines`), NUL bytes are just bytes.
