@@ -53,8 +53,8 @@ def test_the_whole_corpus_classifies_the_same_line_by_line_and_in_batches(engine
             lines = entry.log_lines()
             expected = [m for m in (one.feed_line(node, line) for line in lines) if m is not None]
             returned = batch.feed_lines(node, lines)
-            assert [m.to_dict() for m in returned] == [m.to_dict() for m in expected], case.key
-        assert batch.verdict().to_dict() == one.verdict().to_dict(), case.key
+            assert [m.to_dict() for m in returned] == [m.to_dict() for m in expected], case.id
+        assert batch.verdict().to_dict() == one.verdict().to_dict(), case.id
     assert _state(batch)[1:] == _state(one)[1:]
 
 
