@@ -421,6 +421,9 @@ def experiment_frag(
     out_dir: Annotated[Path, typer.Option("--out", help="directory for the CSV, plots and table")] =
         Path("out/frag"),
     workers: Annotated[int, typer.Option(help="worker processes")] = 2,
+    ray_address: Annotated[str | None, typer.Option("--ray", help=(
+        "run the replays as Ray tasks on the Ray cluster at ADDRESS (host:port, or auto) instead of local worker "
+        "processes"))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print {trace: {policy: {arrived: median}}}")] = False,
 ) -> None:
     """Fill replays of every policy × trace × seed: median unallocated GPU % against arrived workload."""
@@ -437,7 +440,8 @@ def experiment_frag(
         with progress:
             task = progress.add_task("runs", total=total)
             results = sweep(trace_list, policy_list, seed_list, nodes_path=str(nodes) if nodes else None,
-                            workers=workers, progress=lambda done, _: progress.update(task, completed=done))
+                            workers=workers, progress=lambda done, _: progress.update(task, completed=done),
+                            ray_address=ray_address)
     except (GpuplaneError, OSError) as exc:
         _fail(str(exc))
     summary = summarise(results)
@@ -682,6 +686,8 @@ def bench_kube(
     policy: Annotated[str, typer.Option(help="node policy of `gpuplane scheduler`")] = "binpack",
     rate: Annotated[float | None, typer.Option(
         help="create this many pods a second (open loop) instead of as fast as the API server takes them")] = None,
+    dra: Annotated[bool, typer.Option("--dra", help=(
+        "DRA nodes (ResourceSlices) and pods asking through ResourceClaims, allocated by gpuplane-scheduler"))] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Pods bound per second through the local API server with `gpuplane scheduler` as its own process: latency
@@ -695,8 +701,10 @@ def bench_kube(
         _fail(f"--nodes: comma-separated whole numbers, got {nodes!r}")
     if not sizes or min(sizes) < 1 or pods < 1 or repeats < 1 or (rate is not None and not rate > 0):
         _fail("--nodes, --pods and --repeats must be at least 1, --rate above 0")
+    from gpuplane.cli.dra_cmd import bench_slices
+
     result = run_kube_bench(sizes, pods=pods, repeats=repeats, ceiling=ceiling, policy=policy, rate=rate,
-                            progress=None if as_json else err.print)
+                            progress=None if as_json else err.print, dra=bench_slices if dra else None)
     if as_json:
         print(json.dumps(result.to_json()))
     else:
@@ -750,8 +758,7 @@ def classify(
         name = node or path.name.split(".")[0] or path.name
         try:
             with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as handle:
-                for line in handle:
-                    classifier.feed_line(name, line)
+                classify_cmd.feed_log(classifier, name, handle)
         except (OSError, EOFError) as exc:
             _fail(f"{path}: {exc}")
     verdict = classifier.verdict()

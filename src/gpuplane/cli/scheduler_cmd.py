@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -61,6 +62,9 @@ def register(app: typer.Typer) -> None:
         kubeconfig: Annotated[Path | None, typer.Option(
             help="kubeconfig file (default: in-cluster config, else $KUBECONFIG or ~/.kube/config)")] = None,
         context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
+        dra: Annotated[bool, typer.Option("--dra", help=(
+            "also allocate ResourceClaims of gpuplane's DeviceClasses on DRA nodes, read from their ResourceSlices "
+            "(docs/dra.md)"))] = False,
     ) -> None:
         """Schedule the pods whose spec.schedulerName names this scheduler, with gpuplane's core (queue, gangs,
         backfill, quotas, preemption), until Ctrl-C or SIGTERM."""
@@ -115,9 +119,14 @@ def register(app: typer.Typer) -> None:
             except OSError as exc:
                 fail(f"--health-port {health_port}: {exc}")
         metrics = serve_metrics(metrics_port)
-        mode = SchedulerMode(api, profile, catalog=catalog, seed=seed, pools=pool_table,
-                             scheduler_name=scheduler_name, elector=elector, clock=clock,
-                             bind_workers=0 if sync_binds else bind_workers, identity=holder, metrics=metrics)
+        make: Callable[..., SchedulerMode] = SchedulerMode
+        if dra:
+            from gpuplane.kube.dra import dra_scheduler
+
+            make = dra_scheduler
+        mode = make(api, profile, catalog=catalog, seed=seed, pools=pool_table, scheduler_name=scheduler_name,
+                    elector=elector, clock=clock, bind_workers=0 if sync_binds else bind_workers, identity=holder,
+                    metrics=metrics)
         logging.getLogger(__name__).info("gpuplane scheduler %r (%s, seed %d, %s)", scheduler_name, profile.name,
                                          seed, "leader election on " + f"{lease_namespace}/{lease_name}"
                                          if leader_elect else "no leader election")

@@ -291,8 +291,7 @@ def _run(nodes: int, pods: int, *, ceiling: bool, creators: int, replay_threads:
                 command = [sys.executable, "-m", "gpuplane.cli.main", "scheduler", "--kubeconfig", str(kubeconfig),
                            "--scheduler-name", SCHEDULER_NAME, "--no-leader-elect", "--node-policy", policy]
                 if dra is not None:
-                    command = [sys.executable, "-m", "gpuplane.cli.dra_cmd", "--kubeconfig", str(kubeconfig),
-                               "--scheduler-name", SCHEDULER_NAME, "--node-policy", policy]
+                    command.append("--dra")
                 helper = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             # One pod first: the scheduler is up and has listed the cluster once it is bound.
             warm = bench_pods(pods + 1)
