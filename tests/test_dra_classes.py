@@ -52,6 +52,16 @@ KIND_OF_CLASS = {"gpu.gpuplane.io": DeviceKind.CARD, "mig.gpu.gpuplane.io": Devi
                  "vgpu.gpu.gpuplane.io": DeviceKind.VGPU}
 
 
+def test_the_deploy_manifest_is_the_packaged_one() -> None:
+    """The scheduler's bench and parity read the packaged classes (an installed gpuplane has no deploy/); the
+    manifest an operator applies must be the same bytes."""
+    from gpuplane.sim.dra_bench import DEVICE_CLASSES, device_classes
+
+    assert (ROOT / "deploy" / "dra" / "deviceclasses.yaml").read_bytes() == DEVICE_CLASSES.read_bytes(), (
+        "deploy/dra/deviceclasses.yaml differs from src/gpuplane/data/dra-deviceclasses.yaml: copy one onto the other")
+    assert device_classes() == CLASSES
+
+
 @pytest.mark.parametrize("doc", CLASSES + EXAMPLE + ALLOCATION_EXAMPLE,
                          ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 @pytest.mark.parametrize("version", ["1.34", "1.35"])

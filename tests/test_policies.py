@@ -670,11 +670,11 @@ def test_tie_breaking_is_deterministic_for_a_seed() -> None:
 def test_registry_unknown_policies() -> None:
     registry = default_registry()
     with pytest.raises(PolicyError, match=r"unknown node policy 'tightest' \(choose from bestfit, binpack, colocation, "
-                                          r"dotprod, fgd, fgd-online, fgd-used, gpu-clustering, gpu-packing, random, "
-                                          r"spread\)"):
+                                          r"dotprod, fgd, fgd-online, fgd-plus, fgd-used, gpu-clustering, gpu-packing, "
+                                          r"random, spread\)"):
         registry.build(PolicyConfig(node_policy="tightest"))
     with pytest.raises(PolicyError, match=r"unknown card policy 'nope' "
-                                          r"\(choose from binpack, card-only-one, colocation, custom-topo, spread\)"):
+                                          r"\(choose from binpack, card-only-one, colocation, custom-topo, fgd-plus, spread\)"):
         registry.build(PolicyConfig(card_policy="nope"))
     with pytest.raises(PolicyError, match="custom-topo needs a topology file"):
         registry.build(PolicyConfig(card_policy="custom-topo"))

@@ -4,7 +4,7 @@ ResourceSlices, gpuplane's DeviceClasses, and each pod's request as a ResourceCl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 import yaml
@@ -15,11 +15,12 @@ from gpuplane.kube.objects import INVENTORY, RES_GPU, split_key
 from gpuplane.kube.standin import node_manifest
 from gpuplane.model import NodeSpec, PodRequest
 
-DEVICE_CLASSES = Path(__file__).resolve().parents[3] / "deploy" / "dra" / "deviceclasses.yaml"
+DEVICE_CLASSES = resources.files("gpuplane") / "data" / "dra-deviceclasses.yaml"
+"""The DeviceClasses in the package; deploy/dra/deviceclasses.yaml is the same file (tests/test_dra_classes.py)."""
 
 
 def device_classes() -> list[dict[str, Any]]:
-    """gpuplane's DeviceClasses, as deploy/dra/deviceclasses.yaml has them."""
+    """gpuplane's DeviceClasses, as the package (and deploy/dra/deviceclasses.yaml) has them."""
     return [d for d in yaml.safe_load_all(DEVICE_CLASSES.read_text()) if d]
 
 
