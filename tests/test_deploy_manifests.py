@@ -33,7 +33,8 @@ from typer.testing import CliRunner
 from gpuplane.cli.main import app
 from gpuplane.controllers.recovery import QUARANTINE_TAINT
 from gpuplane.controllers.tidal import LOAN_TAINT
-from gpuplane.kube import webhook
+from gpuplane.kube import localapi, webhook
+from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import MANAGED_RESOURCES, RES_GPU, SCHEDULER_ANNOTATIONS, SCHEDULER_NAME
 from gpuplane.model import Taint
 from gpuplane.model.priority import default_priority_classes
@@ -296,7 +297,8 @@ REQUIRED: dict[str, set[Grant]] = {
         *{(v, "", "nodes", "cluster", None) for v in ("get", "list", "watch", "patch")},
         *{(v, "gpuplane.io", r, "cluster", None) for v in ("get", "list", "watch")
           for r in ("colocationpolicies", "gpupools")},
-        ("create", "", "events", "cluster", None),  # gpuplane.node.reporter
+        # The reporter (gpuplane.node.reporter): POST core/v1 Events about its node, which live in `default`.
+        ("create", "", "events", "default", None),
     },
     "gpuplane-webhook": set(),
     "gpuplane-scaler": set(),
@@ -485,7 +487,8 @@ def test_every_container_has_requests_a_memory_limit_and_probes() -> None:
 
 # Containers that run as root, and why (the comments in the manifests say it in full).
 ROOT = {("gpuplane-node-agent", "device-plugin"): "the kubelet's device-plugin socket directory is root's",
-        ("gpuplane-node-agent", "node-guard"): "CAP_KILL is effective only for UID 0 in Kubernetes"}
+        ("gpuplane-node-agent", "node-guard"): "CAP_KILL is effective only for UID 0 in Kubernetes",
+        ("gpuplane-node-agent", "node-reporter"): "its state file is in a hostPath directory the kubelet made root's"}
 CAPABILITIES = {("gpuplane-node-agent", "node-guard"): ["KILL"]}
 
 
@@ -640,6 +643,107 @@ def test_the_guard_and_scaler_configmaps_load_with_their_commands_own_loaders(tm
         mounted = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
         assert mounted[str(Path(path).parent)]["configMap"]["name"] == cm
         assert Path(path).name == key
+
+
+# ------------------------------------------------------------------ the node reporter
+Call = tuple[str, str, str, str | None, str | None]
+"""(verb, apiGroup, resource[/subresource], namespace or None, name or None) of one request an API server saw."""
+_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+
+def _calls(server: FakeApiServer) -> set[Call]:
+    """What a component asked of `server` (a FakeApiServer keeping its requests), as RBAC sees it: a GET of one
+    object is `get`, of a collection `list`, and `watch` where the server counted a watch of that resource."""
+    calls: set[Call] = set()
+    for method, path, _ in server.requests:
+        route = localapi.parse_route(path)
+        resource = f"{route.plural}/{route.sub}" if route.sub else route.plural
+        verb = ("get" if route.name else "list") if method == "GET" else _VERBS[method]
+        calls.add((verb, route.group, resource, route.namespace, route.name or None))
+    watched = {label.split()[1] for label in server.request_counts() if label.endswith("(watch)")}
+    calls |= {("watch", g, r, ns, None) for v, g, r, ns, _ in calls if v == "list" and r in watched}
+    return calls
+
+
+def _granted(call: Call, grants: set[Grant]) -> bool:
+    verb, group, resource, namespace, name = call
+    return any(g[:3] == (verb, group, resource) and g[3] in ("cluster", namespace) and g[4] in (None, name)
+               for g in grants)
+
+
+def _ungranted(calls: set[Call], grants: set[Grant]) -> list[Call]:
+    return sorted((c for c in calls if not _granted(c, grants)), key=str)
+
+
+def _node_agent_container(name: str, objects: list[tuple[Path, Doc]] | None = None) -> tuple[Doc, Doc]:
+    [ds] = [d for d in _of_kind("DaemonSet", objects=objects) if d["metadata"]["name"] == "gpuplane-node-agent"]
+    [container] = [c for c in _containers(ds) if c["name"] == name]
+    return ds["spec"]["template"]["spec"], container
+
+
+def _host_path(spec: Doc, container: Doc, path: str, *, writable: bool) -> str:
+    """Where `path` (inside `container`) is on the host: through the hostPath mount it lies under."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in sorted(container["volumeMounts"], key=lambda m: -len(m["mountPath"])):
+        if path == mount["mountPath"] or path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            assert mount.get("readOnly", False) is not writable, f"{path}: mounted readOnly={not writable} expected"
+            host = volumes[mount["name"]]["hostPath"]["path"]
+            return host.rstrip("/") + path[len(mount["mountPath"].rstrip("/")):]
+    raise AssertionError(f"{path} is on no mount of {container['name']}")
+
+
+def test_the_node_reporter_follows_the_hosts_kernel_log_and_keeps_its_state_on_the_host() -> None:
+    from gpuplane.cli.node_reporter_cmd import STATE_FILE
+
+    spec, reporter = _node_agent_container("node-reporter")
+    args = reporter["args"]
+    assert args[0] == "node-reporter" and "--once" not in args and "--from-start" not in args
+    [followed] = [args[i + 1] for i, a in enumerate(args) if a == "--follow"]
+    assert _host_path(spec, reporter, followed, writable=False) == "/var/log/kern.log"
+    state = _flag(reporter, "--state-file")
+    assert state == str(STATE_FILE)  # the path docs/drills.md names, and the CLI's default
+    assert _host_path(spec, reporter, state, writable=True) == str(STATE_FILE)
+    # the guard's state_file is in the same host directory, under another name
+    guard = yaml.safe_load(_one("ConfigMap", "gpuplane-node-guard")["data"]["guard.yaml"])["guard"]
+    guard_state = guard["state_file"]
+    assert Path(guard_state).parent == STATE_FILE.parent and Path(guard_state).name != STATE_FILE.name
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--check"] == ["nvml"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in reporter["env"] if "valueFrom" in e}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name"}  # the node; reportingInstance
+    assert _flag(reporter, "--node-name") == "$(NODE_NAME)"
+    port = int(_flag(reporter, "--health-port") or 0)
+    assert port in _ports(reporter)
+    assert {reporter[k]["httpGet"]["path"] for k in ("livenessProbe", "readinessProbe")} == {"/healthz"}
+    sc = reporter["securityContext"]
+    # root without a capability, in group adm (Ubuntu's kern.log is syslog:adm 0640)
+    assert sc["runAsGroup"] == 4 and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=2417, GPU has fallen off the bus."
+
+
+def test_the_node_reporter_with_its_manifests_args_makes_only_calls_its_rbac_grants(tmp_path: Path) -> None:
+    # The container's own command line (its paths moved here, --once to end it) against a local API server
+    # that logs each request: every request it made is one the node agent's roles allow.
+    _, reporter = _node_agent_container("node-reporter")
+    [followed] = [reporter["args"][i + 1] for i, a in enumerate(reporter["args"]) if a == "--follow"]
+    log = tmp_path / "kern.log"
+    log.write_text(f"boot\n{XID_79}\n", encoding="utf-8")
+    swap = {followed: str(log), _flag(reporter, "--state-file"): str(tmp_path / "state.json"),
+            "$(NODE_NAME)": "gpu-7"}
+    args = [swap.get(a, a) for a in reporter["args"]]
+    i = args.index("--health-port")
+    del args[i:i + 2]  # --once ends before serving it
+    with FakeApiServer() as server:
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        result = _runner.invoke(app, [*args, "--once", "--from-start", "--kubeconfig", str(kubeconfig)],
+                                env={"POD_NAME": "gpuplane-node-agent-x"})
+        assert result.exit_code == 0, result.output
+        assert "gpu-7: 1 report(s) posted" in result.output
+        calls = _calls(server)
+    assert calls == {("create", "", "events", "default", None)}
+    grants, _ = _rbac()
+    assert _ungranted(calls, grants["gpuplane-node-agent"]) == []
 
 
 # ------------------------------------------------------------------ services and the webhook

@@ -184,8 +184,8 @@ def test_a_report_reads_back_as_written(line: str | None, xid: int | None, t: fl
     assert dict(back.verdict or {}) == {"signature": "s"}
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 20
+def wait_until(condition: Callable[[], bool], what: str, *, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.01)
@@ -241,6 +241,46 @@ def test_gpuplane_node_reporter_once_posts_what_the_log_says(server: FakeApiServ
     assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
     missing = CliRunner().invoke(app, ["--once", "--node-name", "n", "--check", "smart"])
     assert missing.exit_code == 2 and "unknown" in missing.output
+
+
+def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: FakeApiServer, tmp_path: Path) -> None:
+    # The node agent's container (deploy/node-agent/daemonset.yaml) runs this: a log followed from its end, the
+    # state file kept, /healthz served for the kubelet's probes, SIGTERM ends it with exit 0.
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    log, state = tmp_path / "kern.log", tmp_path / "state" / "node-reporter.json"
+    log.write_text(f"{XID_79}\n")  # before the first start: not reported (read from the end)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    child = subprocess.Popen([sys.executable, "-m", "gpuplane.cli.main", "node-reporter", "--node-name", "gpu-7",
+                              "--follow", str(log), "--state-file", str(state), "--health-port", str(port),
+                              "--kubeconfig", str(kubeconfig)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
+                    return bool(answer.status == 200)
+            except OSError:
+                return False
+
+        wait_until(healthy, "/healthz", timeout_s=60)
+        with log.open("a") as handle:
+            handle.write(f"{XID_79}\n")
+        wait_until(lambda: len(events(server)) == 1, "the Xid's Event", timeout_s=30)
+        wait_until(state.exists, "the state file", timeout_s=10)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 0, child.stdout.read() if child.stdout else ""
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
+    assert not healthy()
 
 
 class Agent:

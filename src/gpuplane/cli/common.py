@@ -18,6 +18,7 @@ from gpuplane.scheduler import CardOnlyOneScope, PolicyConfig, load_topo_config
 from gpuplane.scheduler.plugins.frag import TypicalPods
 
 if TYPE_CHECKING:
+    from gpuplane.kube.operator import HealthServer
     from gpuplane.port.metrics import PlaneMetrics
 
 err = Console(stderr=True)
@@ -50,6 +51,18 @@ def serve_metrics(port: int | None) -> PlaneMetrics | None:
         fail(f"--metrics-port {port}: {exc}")
     logging.getLogger(__name__).info("metrics on :%d/metrics", served)
     return metrics
+
+
+def serve_health(port: int | None) -> HealthServer | None:
+    """`--health-port`: `/healthz` for the kubelet's probes served on `port`; None: none. Stop it when done."""
+    if port is None:
+        return None
+    from gpuplane.kube.operator import HealthServer
+
+    try:
+        return HealthServer(port).start()
+    except OSError as exc:
+        fail(f"--health-port {port}: {exc}")
 
 
 def interrupt() -> NoReturn:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpuplane.cli.common import fail, log_to_stderr, on_sigterm
+from gpuplane.cli.common import fail, log_to_stderr, on_sigterm, serve_health
 from gpuplane.cli.operator_cmd import connect
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ def register(app: typer.Typer) -> None:
                  "each file there (from its start when it was rotated meanwhile)")] = STATE_FILE,
         once: Annotated[bool, typer.Option(
             "--once", help="read the followed files to their end, run the checks once, post, and exit")] = False,
+        health_port: Annotated[int | None, typer.Option(
+            min=0, max=65535, help="serve /healthz on this port (the kubelet's probes) while it runs [default: none]")
+        ] = None,
         kubeconfig: Annotated[Path | None, typer.Option(help="kubeconfig [default: in-cluster, else ~/.kube/config]")
                               ] = None,
     ) -> None:
@@ -120,6 +123,7 @@ def register(app: typer.Typer) -> None:
         if command is not None:
             threads.append(threading.Thread(target=follow_command, args=(command.split(), findings, stop),
                                             daemon=True))
+        health = serve_health(health_port)
         for thread in threads:
             thread.start()
         try:
@@ -131,3 +135,5 @@ def register(app: typer.Typer) -> None:
         finally:
             stop.set()
             reporter.flush()
+            if health is not None:
+                health.stop()

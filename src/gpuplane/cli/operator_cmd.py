@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm, serve_metrics
+from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm, serve_health, serve_metrics
 
 if TYPE_CHECKING:
     from gpuplane.kube.api import RestKubeApi
@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(1 if result.differences else 0)
 
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError
-        from gpuplane.kube.operator import HealthServer, run_operator
+        from gpuplane.kube.operator import run_operator
         from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError
 
         load = None
@@ -178,12 +178,7 @@ def register(app: typer.Typer) -> None:
         api = connect(kubeconfig)
         log_to_stderr()
         stop = threading.Event()
-        health = None
-        if health_port is not None:
-            try:
-                health = HealthServer(health_port).start()
-            except OSError as exc:
-                fail(f"--health-port {health_port}: {exc}")
+        health = serve_health(health_port)
         metrics = serve_metrics(metrics_port)
         try:
             with on_sigterm(stop.set):

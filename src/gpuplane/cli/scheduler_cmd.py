@@ -21,6 +21,7 @@ from gpuplane.cli.common import (
     fail,
     log_to_stderr,
     on_sigterm,
+    serve_health,
     serve_metrics,
 )
 from gpuplane.kube.scheduler_mode import DEFAULT_LEASE_NAME, DEFAULT_LEASE_NAMESPACE, DEFAULT_SCHEDULER_NAME
@@ -71,7 +72,6 @@ def register(app: typer.Typer) -> None:
         from gpuplane.cli.common import policy_config
         from gpuplane.kube.api import KubeConfigError, connect_api
         from gpuplane.kube.lease import LeaseConfig, LeaseConfigError, LeaseElector
-        from gpuplane.kube.operator import HealthServer
         from gpuplane.kube.scheduler_mode import SchedulerMode
         from gpuplane.model import GpuplaneError, default_catalog
         from gpuplane.port import WallClock
@@ -112,12 +112,7 @@ def register(app: typer.Typer) -> None:
                 fail(str(exc))
             elector = LeaseElector(api, lease, clock.now)
         log_to_stderr()
-        health = None
-        if health_port is not None:
-            try:
-                health = HealthServer(health_port).start()
-            except OSError as exc:
-                fail(f"--health-port {health_port}: {exc}")
+        health = serve_health(health_port)
         metrics = serve_metrics(metrics_port)
         make: Callable[..., SchedulerMode] = SchedulerMode
         if dra:
