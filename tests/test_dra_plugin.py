@@ -87,6 +87,11 @@ class Kubelet:
         self.dra_channel.close()
 
 
+def host_dirs(root: Path) -> AllocationSettings:
+    """HAMi-core's host directories under `root` (prepare makes the writable ones)."""
+    return AllocationSettings(vgpu_dir=str(root / "vgpu"), lock_dir=str(root / "vgpulock"))
+
+
 class Node:
     """A node: fake cards, the plugin's directories (short paths: a Unix socket path is limited to 108 bytes)."""
 
@@ -95,7 +100,7 @@ class Node:
         self.backend = backend
         self.source = MemoryClaimSource()
         self.settings = DraSettings(NODE, registry_dir=root / "reg", plugins_dir=root / "plugins",
-                                    cdi_dir=root / "cdi", allocation=allocation or AllocationSettings())
+                                    cdi_dir=root / "cdi", allocation=allocation or host_dirs(root))
         self.plugin = self.start()
         self.kubelet = Kubelet(self.settings.registration_socket)
 
@@ -183,15 +188,20 @@ def test_a_vgpu_share_gets_hami_core_limits_from_the_consumed_capacity(node: Nod
                                 "CUDA_TASK_PRIORITY")} == {
         "NVIDIA_VISIBLE_DEVICES": "GPU-fake-0", "CUDA_DEVICE_MEMORY_LIMIT_0": "10240m", "CUDA_DEVICE_SM_LIMIT": "25",
         "CUDA_TASK_PRIORITY": "0"}
-    assert env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == "/usr/local/vgpu/containers/uid-2_claim/vgpu.cache"
+    vgpu = node.root / "vgpu"
+    assert env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == f"{vgpu}/containers/uid-2_claim/vgpu.cache"
     mounts = {m["containerPath"]: m for m in node.cdi("uid-2")["devices"][0]["containerEdits"]["mounts"]}
-    assert mounts["/etc/ld.so.preload"]["hostPath"] == "/usr/local/vgpu/ld.so.preload"
+    assert mounts["/etc/ld.so.preload"]["hostPath"] == f"{vgpu}/ld.so.preload"
     assert "ro" in mounts["/usr/local/vgpu/libvgpu.so"]["options"]
+    # the runtime bind-mounts the writable ones, so they must exist on the host: prepare made them
+    writable = [m["hostPath"] for m in mounts.values() if "rw" in m["options"]]
+    assert sorted(writable) == sorted([f"{vgpu}/containers/uid-2_claim", str(node.root / "vgpulock")])
+    assert all(Path(p).is_dir() for p in writable)
 
 
 def test_on_an_mps_node_a_vgpu_share_gets_the_mps_client_variables_instead(root: Path) -> None:
     backend = FakeGpuBackend(1, 80 * GIB, name="NVIDIA A100-SXM4-80GB")
-    n = Node(root, backend, AllocationSettings(mps=True))
+    n = Node(root, backend, replace(host_dirs(root), mps=True, mps_pipe_dir=str(root / "mps")))
     try:
         n.source.add(claim("infer", "uid-3", ("share", "gpu-0-vgpu", {"memory": "20Gi", "compute": "500"})))
         assert n.kubelet.prepare(("team", "infer", "uid-3")).claims["uid-3"].error == ""

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from typer import Typer
 from typer.testing import CliRunner
 
+from daemons import gpuplane_daemon, sigterm
 from gpuplane.cli.node_reporter_cmd import register
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.health import HealthEvent
@@ -246,9 +247,7 @@ def test_gpuplane_node_reporter_once_posts_what_the_log_says(server: FakeApiServ
 def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: FakeApiServer, tmp_path: Path) -> None:
     # The node agent's container (deploy/node-agent/daemonset.yaml) runs this: a log followed from its end, the
     # state file kept, /healthz served for the kubelet's probes, SIGTERM ends it with exit 0.
-    import signal
     import socket
-    import subprocess
     import urllib.request
 
     log, state = tmp_path / "kern.log", tmp_path / "state" / "node-reporter.json"
@@ -257,10 +256,8 @@ def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: 
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-    child = subprocess.Popen([sys.executable, "-m", "gpuplane.cli.main", "node-reporter", "--node-name", "gpu-7",
-                              "--follow", str(log), "--state-file", str(state), "--health-port", str(port),
-                              "--kubeconfig", str(kubeconfig)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
+    with gpuplane_daemon(["node-reporter", "--node-name", "gpu-7", "--follow", str(log), "--state-file", str(state),
+                          "--health-port", str(port), "--kubeconfig", str(kubeconfig)]) as child:
         def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
@@ -273,12 +270,8 @@ def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: 
             handle.write(f"{XID_79}\n")
         wait_until(lambda: len(events(server)) == 1, "the Xid's Event", timeout_s=30)
         wait_until(state.exists, "the state file", timeout_s=10)
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(30) == 0, child.stdout.read() if child.stdout else ""
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        returncode, output = sigterm(child)
+        assert returncode == 0, output
     assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
     assert not healthy()
 

@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
                                   mig_grace_s=mig_grace_s, nics=rdma_nics(rails),
                                   allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir,
                                                                 vgpu_dir=vgpu_dir))
-        backend = _backend(fake_cards, fake_model)
+        backend = gpu_backend(fake_cards, fake_model)
         source: AssignmentSource
         publish: Callable[[NodeInventory], None] | None = None
         pools: PoolSharingSource | None = None
@@ -178,7 +178,7 @@ def register(app: typer.Typer) -> None:
         from gpuplane.node.mig import apply_plan, parse_profiles, plan_layout
 
         catalog = default_catalog()
-        backend = _backend(1 if fake_model is not None else None, fake_model or "", mig=True)
+        backend = gpu_backend(1 if fake_model is not None else None, fake_model or "", mig=True)
         try:
             infos = backend.describe()
             if card >= len(infos):
@@ -210,7 +210,7 @@ def register(app: typer.Typer) -> None:
             backend.close()
 
 
-def _backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> DeviceBackend:
+def gpu_backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> DeviceBackend:
     """The NVML backend, or `fake_cards` fake cards of catalog model `fake_model` (exit 2 when unusable)."""
     from gpuplane.node.gpu import FakeGpuBackend, NvmlBackend
 

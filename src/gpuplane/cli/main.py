@@ -1046,6 +1046,7 @@ def _register_kube_commands() -> None:
         accounting_cmd,
         dashboard_cmd,
         device_plugin_cmd,
+        dra_plugin_cmd,
         drill_cmd,
         extender_cmd,
         node_reporter_cmd,
@@ -1057,6 +1058,7 @@ def _register_kube_commands() -> None:
     classify_cmd.register(app)
 
     device_plugin_cmd.register(app)
+    dra_plugin_cmd.register(app)
     extender_cmd.register(app)
     operator_cmd.register(app)
     node_reporter_cmd.register(app)

@@ -35,6 +35,7 @@ container asking as many units as the pod's cards gets them all, as kubelet hand
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -65,7 +66,7 @@ from gpuplane.port import PodPhase
 __all__ = [
     "ALLOCATED_CONTAINERS", "AllocationSettings", "AssignmentSource", "BoundPod", "ContainerAllocation", "DeviceNode",
     "KubeAssignmentSource", "MemoryAssignmentSource", "Mount", "PendingPod", "bound_pod", "container_allocation",
-    "match_pod", "pending_pod",
+    "match_pod", "pending_pod", "prepare_host",
 ]
 
 log = logging.getLogger(__name__)
@@ -362,3 +363,15 @@ def container_allocation(pod: PendingPod, container: str, shares: Sequence[CardS
             minor = cards[card].minor if cards[card].minor is not None else card
             devices.append(DeviceNode(f"/dev/nvidia{minor}", f"{dev}/nvidia{minor}"))
     return ContainerAllocation(envs, tuple(mounts), tuple(devices), {"gpuplane.io/pod": pod.key})
+
+
+def prepare_host(allocation: ContainerAllocation) -> None:
+    """Create the writable host directories `allocation` mounts (HAMi-core's shared-region cache, its lock
+    directory, MPS's pipe directory), which the runtime needs to exist before it bind-mounts them; a directory
+    that cannot be made is logged (the container's start then reports it)."""
+    for mount in allocation.mounts:
+        if not mount.read_only and mount.host_path != "/dev/shm":
+            try:
+                os.makedirs(mount.host_path, mode=0o777, exist_ok=True)
+            except OSError as exc:
+                log.warning("cannot create %s: %s", mount.host_path, exc)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 import threading
 import time
@@ -77,6 +76,7 @@ from gpuplane.node.allocation import (
     ContainerAllocation,
     container_allocation,
     match_pod,
+    prepare_host,
 )
 from gpuplane.node.gpu import CardInfo, DeviceBackend, GpuBackendError, MigInstance
 from gpuplane.node.mig import MigPlan, Wanted, apply_plan, held_instances, plan_layout, wanted_from_assignments
@@ -627,7 +627,7 @@ class DevicePlugin:
                 mig_uuids[share.card] = mig_uuid
         container = pod.gpu_containers[container_number][0]
         allocation = container_allocation(pod, container, shares, cards, mig_uuids, self.settings.allocation)
-        self._prepare_host(allocation)
+        prepare_host(allocation)
         try:
             self.source.mark_handed(pod, container_number + 1)
         except GpuplaneError as exc:  # not recorded: kubelet retries, and this container matches again
@@ -793,14 +793,4 @@ class DevicePlugin:
         self._cards[index] = replace(self._cards[index], mig_enabled=enabled)
         log.info("card %d: MIG mode %s", index, word)
         return MigReconcile(mig_on=(index,)) if enabled else MigReconcile(mig_off=(index,))
-
-    @staticmethod
-    def _prepare_host(allocation: ContainerAllocation) -> None:
-        """Create the writable host directories the container mounts (the shared-region cache, the lock)."""
-        for mount in allocation.mounts:
-            if not mount.read_only and mount.host_path != "/dev/shm":
-                try:
-                    os.makedirs(mount.host_path, mode=0o777, exist_ok=True)
-                except OSError as exc:
-                    log.warning("cannot create %s: %s", mount.host_path, exc)
 

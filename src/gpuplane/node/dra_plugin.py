@@ -14,6 +14,8 @@ capacity the allocation consumed. The claim's environment, mounts and device nod
 (`gpuplane.node.allocation.container_allocation`: HAMi-core limits for a share, MPS client variables on an MPS
 node, the MIG device's UUID for a MIG share), written as one CDI device (`<cdi dir>/gpuplane-<claim uid>.json`,
 kind `gpu.gpuplane.io/claim`, device name the claim UID); every allocated device answers with that CDI ID.
+The writable host directories the spec mounts (HAMi-core's per-claim cache, its lock directory, MPS's pipes) are
+made before it is written, as the device plugin's Allocate makes them (`allocation.prepare_host`).
 A claim with two MIG devices of one card is refused (the environment names one MIG device per card).
 
 Idempotence and restarts: what each claim was given (devices, the CDI spec, the MIG instances made for it) is
@@ -50,7 +52,13 @@ from gpuplane.model import (
     GpuplaneError,
     default_catalog,
 )
-from gpuplane.node.allocation import AllocationSettings, ContainerAllocation, PendingPod, container_allocation
+from gpuplane.node.allocation import (
+    AllocationSettings,
+    ContainerAllocation,
+    PendingPod,
+    container_allocation,
+    prepare_host,
+)
 from gpuplane.node.device_plugin import Wire, node_model
 from gpuplane.node.dra_slices import DRIVER, DeviceKind, parse_device_name
 from gpuplane.node.gpu import CardInfo, DeviceBackend, GpuBackendError
@@ -412,6 +420,7 @@ class DraPlugin:
             raise
         pod = PendingPod(f"{namespace}/{name}", uid, Assignment(self.settings.node_name, tuple(shares)), 0.0)
         edits = container_allocation(pod, "claim", shares, self._cards, mig_uuids, self.settings.allocation)
+        prepare_host(edits)  # the cache and lock directories the CDI spec mounts must exist on the host
         spec = cdi_spec(uid, edits)
         prepared = Prepared(namespace, name, tuple((r, self.settings.pool, d) for r, d, _ in results), spec,
                             tuple(created))
