@@ -674,7 +674,8 @@ def test_registry_unknown_policies() -> None:
                                           r"random, spread\)"):
         registry.build(PolicyConfig(node_policy="tightest"))
     with pytest.raises(PolicyError, match=r"unknown card policy 'nope' "
-                                          r"\(choose from binpack, card-only-one, colocation, custom-topo, fgd-plus, spread\)"):
+                                          r"\(choose from binpack, card-only-one, colocation, custom-topo, fgd-plus, "
+                                          r"spread\)"):
         registry.build(PolicyConfig(card_policy="nope"))
     with pytest.raises(PolicyError, match="custom-topo needs a topology file"):
         registry.build(PolicyConfig(card_policy="custom-topo"))
