@@ -5,6 +5,10 @@ that can hold it and keeps the first card with the best integer score; whole-car
 cards. Scores are cached per (pod shape, node) and recomputed only for nodes whose state changed
 (`ClusterState.node_version`) since that shape was last scored.
 
+What a recomputation costs: nodes in equal states share a class (`_NodeClasses`) whose per-shape terms
+are computed once, and the score of one share on card g updates those terms by card g alone, so a new pod
+shape on a 10,000-node cluster costs its distinct node states, not nodes × cards × cards.
+
 `FgdScore` takes M from the whole trace (the published variant); `OnlineFgdScore` learns M from the
 arrivals seen so far with exponentially decayed counts, as a live scheduler must.
 """
@@ -19,7 +23,7 @@ import numpy as np
 from gpuplane.model import MILLI_PER_CARD, CardShare, ClusterState, Fraction, PodRequest, WholeCards
 from gpuplane.scheduler.framework import CARD_OK, BoolArray, CardPick, CycleState, FloatArray, IntArray, StateKey
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
-from gpuplane.scheduler.plugins.frag import Shape, ShapeArrays, TypicalPods, fragmentation, pod_shape, sigmoid_score
+from gpuplane.scheduler.plugins.frag import Shape, ShapeArrays, TypicalPods, pod_shape, sigmoid_score
 
 FGD_CARD: StateKey[IntArray] = StateKey("fgd/card")
 """Per node row, the card FGD chose (valid for the nodes scored this cycle), for the picker."""
@@ -32,6 +36,151 @@ class _Cache:
     card: IntArray
 
 
+def _terms(free: IntArray, cpu: IntArray, static: BoolArray, shapes: ShapeArrays
+           ) -> tuple[IntArray, IntArray, IntArray]:
+    """Per node row and typical shape m, in integer milli-GPU, from (k, W) free per card: the free milli on cards
+    too small for m, how many cards are big enough, and F_n(m) (k, M each).
+
+    F_n(m) is `frag.fragmentation`'s sum before its weighting by popularity; `static` (k, M) is "the model is
+    allowed and m asks for a GPU share", which depends on the node's model only.
+    """
+    big = free[:, :, None] >= shapes.milli  # (k, W, M)
+    small = np.where(big, 0, free[:, :, None]).sum(axis=1)
+    count = big.sum(axis=1)
+    host = (count >= shapes.cards) & (cpu[:, None] >= shapes.cpu) & static
+    per_shape: IntArray = np.where(host, small, free.sum(axis=1)[:, None])
+    return small, count, per_shape
+
+
+def _delta_score(before: IntArray, after: IntArray, shapes: ShapeArrays, scale: float) -> IntArray:
+    """⌊100 · sigmoid(Σ_m p_m (F_n(m) before − F_n(m) after) / scale)⌋ over the last axis (M).
+
+    The difference is taken per shape in exact integers before the weighting, so a placement that changes no
+    F_n(m) scores exactly 50 (the old form, F(M) before − F(M) after as two weighted sums, gave the same scores
+    on every decision of the bundled traces; tests/test_fgd_plus_equivalence.py).
+    """
+    return sigmoid_score((before - after).astype(np.float64) @ shapes.popularity, scale)
+
+
+class _NodeClasses:
+    """Node states by content, for one cluster state and one M, kept per `ClusterState.node_version`.
+
+    FGD's terms of a node depend only on its usable milli-GPU free per card, which cards are idle (whole, no
+    holder), its free CPU and its card model. Nodes equal in these share a class, whose terms (F_n(m) per
+    typical shape, and the per-shape small-card sums and big-card counts that the score of one more share
+    needs) are computed once, when a node first shows that state. On a large cluster most idle nodes fall into
+    a few classes, so the first score of a pod shape costs a few classes, not every node.
+    """
+
+    _TERMS = ("free", "idle", "cpu", "small", "count", "static", "before")
+    LIMIT_PER_NODE = 4
+    """Classes kept per node (at least 4,096) before the table starts over; a node's old states are dropped."""
+
+    def __init__(self, shapes: ShapeArrays, width: int) -> None:
+        self.shapes = shapes
+        self.width = width
+        self.version = np.full(0, -1, np.int64)
+        self.class_of = np.zeros(0, np.int64)
+        self._ids: dict[bytes, int] = {}
+        m = len(shapes.cpu)
+        self.size = 0
+        self.free = np.zeros((0, width), np.int64)
+        self.idle = np.zeros((0, width), np.bool_)
+        self.cpu = np.zeros(0, np.int64)
+        self.small = np.zeros((0, m), np.int64)
+        self.count = np.zeros((0, m), np.int64)
+        self.static = np.zeros((0, m), np.bool_)
+        self.before = np.zeros((0, m), np.int64)
+
+    def full(self, nodes: int) -> bool:
+        return self.size > self.LIMIT_PER_NODE * max(nodes, 1024)
+
+    def of(self, state: ClusterState, nodes: IntArray) -> IntArray:
+        """The class of each of `nodes` (new states get a class and their terms)."""
+        n = state.size
+        if len(self.version) < n:
+            grown = max(n, 2 * len(self.version))
+            self.version = np.concatenate([self.version, np.full(grown - len(self.version), -1, np.int64)])
+            self.class_of = np.concatenate([self.class_of, np.zeros(grown - len(self.class_of), np.int64)])
+        versions = state.node_version[nodes]
+        stale = nodes[self.version[nodes] != versions]
+        if len(stale):
+            self._assign(state, stale)
+        out: IntArray = self.class_of[nodes]
+        return out
+
+    def _assign(self, state: ClusterState, stale: IntArray) -> None:
+        usable = state.card_valid[stale] & ~state.card_mig[stale]
+        free = np.where(usable, state.card_milli_free[stale], 0)
+        idle = usable & (free == MILLI_PER_CARD) & (state.card_holders[stale] == 0)
+        cpu = state.cpu_free[stale]
+        model = state.model_idx[stale].astype(np.int64)
+        rows = np.ascontiguousarray(np.concatenate(
+            [free, usable.astype(np.int64) + 2 * idle, cpu[:, None], model[:, None]], axis=1))
+        keys: list[bytes] = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0].tolist()
+        ids = self._ids
+        fresh: list[int] = []
+        found: list[int] = []
+        for i, key in enumerate(keys):
+            cid = ids.get(key)
+            if cid is None:
+                cid = ids[key] = self.size + len(fresh)
+                fresh.append(i)
+            found.append(cid)
+        if fresh:
+            self._add(free[fresh], idle[fresh], cpu[fresh], model[fresh])
+        self.class_of[stale] = found
+        self.version[stale] = state.node_version[stale]
+
+    def _add(self, free: IntArray, idle: BoolArray, cpu: IntArray, model: IntArray) -> None:
+        shapes = self.shapes
+        static = shapes.model_ok[:, model].T & (shapes.milli > 0)
+        small, count, before = _terms(free, cpu, static, shapes)
+        start, end = self.size, self.size + len(cpu)
+        if end > len(self.cpu):  # capacity doubles, so adding classes one at a time stays linear
+            grown = max(end, 2 * len(self.cpu), 64)
+            for name in self._TERMS:
+                old = getattr(self, name)
+                new = np.zeros((grown, *old.shape[1:]), old.dtype)
+                new[:start] = old[:start]
+                setattr(self, name, new)
+        self.free[start:end] = free
+        self.idle[start:end] = idle
+        self.cpu[start:end] = cpu
+        self.small[start:end] = small
+        self.count[start:end] = count
+        self.static[start:end] = static
+        self.before[start:end] = before
+        self.size = end
+
+    def one_share(self, classes: IntArray, share: int, cpu_milli: int, scale: float) -> IntArray:
+        """(k, W): the score of `share` milli more on each card of each class, from the class's terms.
+
+        Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
+        and the big-card count move by card g's terms alone (before: R(g), after: R(g) − d). Cards that
+        cannot take the share get meaningless values; the caller masks them.
+        """
+        shapes = self.shapes
+        d_m = shapes.milli
+        r = self.free[classes][:, :, None]  # (k, W, 1)
+        r_after = r - share
+        small = self.small[classes][:, None, :] - np.where(r < d_m, r, 0) + np.where(r_after < d_m, r_after, 0)
+        count = self.count[classes][:, None, :] - (r >= d_m) + (r_after >= d_m)
+        cpu_after = self.cpu[classes] - cpu_milli
+        host = (count >= shapes.cards) & (cpu_after[:, None, None] >= shapes.cpu) & self.static[classes][:, None, :]
+        total_after = self.free[classes].sum(axis=1) - share
+        after = np.where(host, small, total_after[:, None, None])
+        return _delta_score(self.before[classes][:, None, :], after, shapes, scale)
+
+
+def _unique(values: IntArray) -> tuple[IntArray, IntArray]:
+    """Distinct values and, per entry, the index of its value (small batches skip the sort)."""
+    if len(values) <= 8:
+        return values, np.arange(len(values))
+    uniq, inverse = np.unique(values, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
 class FgdScore:
     name = "FGD"
     delta_scale = 1000.0
@@ -41,12 +190,14 @@ class FgdScore:
         self.typical = typical
         self._state_id = -1
         self._arrays: ShapeArrays | None = None
+        self._node_classes: _NodeClasses | None = None
         self._caches: dict[tuple[object, ...], _Cache] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset(self, state: ClusterState) -> ShapeArrays:
         self._state_id = state.uid
         self._arrays = ShapeArrays.build(self.typical, state)
+        self._node_classes = None
         self._caches.clear()
         return self._arrays
 
@@ -54,6 +205,13 @@ class FgdScore:
         if self._arrays is None or self._state_id != state.uid:
             return self._reset(state)
         return self._arrays
+
+    def _classes(self, state: ClusterState, shapes: ShapeArrays) -> _NodeClasses:
+        classes = self._node_classes
+        if classes is None or classes.shapes is not shapes or classes.width != state.width \
+                or classes.full(state.size):
+            classes = self._node_classes = _NodeClasses(shapes, state.width)
+        return classes
 
     def observe(self, pod: PodRequest) -> None:
         """Hook for variants that learn M from arrivals; the published FGD knows M in advance."""
@@ -81,28 +239,29 @@ class FgdScore:
 
     def _compute(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
                  card_ok: BoolArray | None = None) -> tuple[IntArray, IntArray]:
-        """Scores and chosen cards of `nodes`; `card_ok` (nodes × cards) is what the filters allow."""
+        """Scores and chosen cards of `nodes`; `card_ok` (nodes × cards) is what the filters allow.
+
+        Score = ⌊100 · sigmoid((F_n(M) before − F_n(M) after) / delta_scale)⌋. A share on one card scores every
+        card that can take it and keeps the first with the best score; whole cards take the lowest idle cards.
+        The terms come per node class (`_NodeClasses`), so nodes in equal states are computed once.
+        """
         scale = self.delta_scale
-        usable = state.card_valid[nodes] & ~state.card_mig[nodes]
-        free = np.where(usable, state.card_milli_free[nodes], 0)
-        cpu = state.cpu_free[nodes]
-        model = state.model_idx[nodes]
-        before = fragmentation(free, cpu, model, shapes)
-        cpu_after = cpu - pod.cpu_milli
         gpu = pod.gpu
         none = np.full(len(nodes), -1, np.int64)
+        if gpu is None and not pod.cpu_milli:
+            return np.full(len(nodes), 100, np.int64), none
+        classes = self._classes(state, shapes)
+        uniq, inverse = _unique(classes.of(state, nodes))
         if isinstance(gpu, Fraction):
             d = gpu.compute_milli
-            width = free.shape[1]
+            usable = state.card_valid[nodes] & ~state.card_mig[nodes]
+            free = classes.free[uniq][inverse]
             fits = usable & (free >= d)
             if card_ok is not None:
                 fits &= card_ok
             elif gpu.memory_mib:
                 fits &= state.card_mem_free[nodes] >= gpu.memory_mib
-            after_free = free[:, None, :] - d * np.eye(width, dtype=np.int64)[None]
-            after = fragmentation(after_free, np.repeat(cpu_after[:, None], width, axis=1),
-                                  np.repeat(model[:, None], width, axis=1), shapes)
-            per_card = np.where(fits, sigmoid_score(before[:, None] - after, scale), -1)
+            per_card = np.where(fits, classes.one_share(uniq, d, pod.cpu_milli, scale)[inverse], -1)
             if gpu.count > 1:
                 # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
                 # take it; the score is the node's fragmentation change, and the picker chooses the cards.
@@ -110,19 +269,18 @@ class FgdScore:
                 taken = np.zeros(free.shape, np.bool_)
                 np.put_along_axis(taken, best, True, axis=1)
                 taken &= fits
-                after_node = fragmentation(free - d * taken, cpu_after, model, shapes)
-                return sigmoid_score(before - after_node, scale), none
+                members = uniq[inverse]
+                _, _, after = _terms(free - d * taken, classes.cpu[members] - pod.cpu_milli,
+                                     classes.static[members], shapes)
+                return _delta_score(classes.before[members], after, shapes, scale), none
             card = np.argmax(per_card, axis=1)  # the first card with the best integer score
             return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
+        free = classes.free[uniq]
         if isinstance(gpu, WholeCards):
-            idle = usable & (free == MILLI_PER_CARD) & (state.card_holders[nodes] == 0)
-            taken = idle & (np.cumsum(idle, axis=1) <= gpu.count)
-            after = fragmentation(np.where(taken, 0, free), cpu_after, model, shapes)
-            return sigmoid_score(before - after, scale), none
-        if gpu is None and not pod.cpu_milli:
-            return np.full(len(nodes), 100, np.int64), none
-        after = fragmentation(free, cpu_after, model, shapes)
-        return sigmoid_score(before - after, scale), none
+            idle = classes.idle[uniq]
+            free = np.where(idle & (np.cumsum(idle, axis=1) <= gpu.count), 0, free)
+        _, _, after = _terms(free, classes.cpu[uniq] - pod.cpu_milli, classes.static[uniq], shapes)
+        return _delta_score(classes.before[uniq], after, shapes, scale)[inverse], none
 
 
 class OnlineFgdScore(FgdScore):
