@@ -20,10 +20,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import kubernetes_validate
 import pytest
 import typer.main
@@ -59,6 +61,9 @@ SCHEDULER_MODE = DEPLOY / "modes" / "scheduler"
 brings deploy/scheduler/). The objects below are the default install (extender mode); scheduler mode's are
 checked at the end of this file."""
 EXTENDER_MODE = DEPLOY / "scheduler"
+DRA_MODE = DEPLOY / "modes" / "dra"
+"""DRA mode: scheduler mode with patches (the DRA driver in the node agent, --dra on the scheduler); its objects are
+those `kubectl kustomize` renders (checked after scheduler mode's, at the end of this file)."""
 NOT_KUBERNETES = (DEPLOY / "monitoring", DEPLOY / "grafana")
 """Prometheus' and Grafana's own files (tests/test_alert_rules.py, tests/test_grafana.py; the scrape jobs below)."""
 SCRAPE_CONFIG = DEPLOY / "monitoring" / "prometheus-scrape.yaml"
@@ -67,6 +72,7 @@ SCRAPE_CONFIG = DEPLOY / "monitoring" / "prometheus-scrape.yaml"
 def _yaml_files(root: Path = DEPLOY) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
                   and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents)
+                  and (root == DRA_MODE or DRA_MODE not in p.parents)
                   and not any(d in p.parents for d in NOT_KUBERNETES))
 
 
@@ -434,6 +440,10 @@ _COMMANDS = [(w["metadata"]["name"], c) for w, c in _gpuplane_containers()]
 
 @pytest.mark.parametrize(("workload", "container"), _COMMANDS, ids=[f"{w}/{c['name']}" for w, c in _COMMANDS])
 def test_every_container_runs_a_real_gpuplane_command_with_real_flags(workload: str, container: Doc) -> None:
+    _check_command(workload, container)
+
+
+def _check_command(workload: str, container: Doc) -> None:
     assert container.get("command") == ["gpuplane"], f"{workload}/{container['name']}: command"
     subcommand, *flags = container["args"]
     commands = getattr(_CLI, "commands", {})
@@ -488,12 +498,17 @@ def test_every_container_has_requests_a_memory_limit_and_probes() -> None:
 # Containers that run as root, and why (the comments in the manifests say it in full).
 ROOT = {("gpuplane-node-agent", "device-plugin"): "the kubelet's device-plugin socket directory is root's",
         ("gpuplane-node-agent", "node-guard"): "CAP_KILL is effective only for UID 0 in Kubernetes",
-        ("gpuplane-node-agent", "node-reporter"): "its state file is in a hostPath directory the kubelet made root's"}
+        ("gpuplane-node-agent", "node-reporter"): "its state file is in a hostPath directory the kubelet made root's",
+        ("gpuplane-node-agent", "dra-plugin"): "kubelet's plugin registry and plugins directory are root's"}
 CAPABILITIES = {("gpuplane-node-agent", "node-guard"): ["KILL"]}
 
 
 def test_security_contexts_give_the_least_each_container_needs() -> None:
-    for w in _workloads():
+    _check_security_contexts(_workloads())
+
+
+def _check_security_contexts(workloads: list[Doc]) -> None:
+    for w in workloads:
         pod_sc = w["spec"]["template"]["spec"].get("securityContext", {})
         for c in _containers(w):
             key = (w["metadata"]["name"], c["name"])
@@ -507,7 +522,7 @@ def test_security_contexts_give_the_least_each_container_needs() -> None:
                 assert sc.get("runAsUser") == 0 and sc.get("runAsNonRoot") is False, key
             else:
                 assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, key
-    host_pid = {w["metadata"]["name"] for w in _workloads() if w["spec"]["template"]["spec"].get("hostPID")}
+    host_pid = {w["metadata"]["name"] for w in workloads if w["spec"]["template"]["spec"].get("hostPID")}
     assert host_pid == {"gpuplane-node-agent"}  # the guard's, and only there
 
 
@@ -1223,3 +1238,322 @@ def test_the_scrape_jobs_are_the_ones_the_rules_name_and_reach_real_services() -
     missing = {job for job, target in jobs.items() if target not in reached}
     # The operator does not serve metrics yet (gpuplane operator has no --metrics-port): its job finds no target.
     assert missing == {"gpuplane-operator"}
+
+
+# ------------------------------------------------------------------ DRA mode (deploy/modes/dra)
+def _render(components: list[str], tmp: Path) -> list[Doc]:
+    """`kubectl kustomize` of deploy/ with `components` in place of modes/extender."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None, "kubectl is needed to render DRA mode's patches (scripts/test installs it)"
+    copy = tmp / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    root = copy / "kustomization.yaml"
+    listed = "".join(f"  - {c}\n" for c in components)
+    root.write_text(root.read_text(encoding="utf-8").replace("  - modes/extender\n", listed), encoding="utf-8")
+    rendered = subprocess.run([kubectl, "kustomize", str(copy)], capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    return [d for d in yaml.safe_load_all(rendered.stdout) if d is not None]
+
+
+@pytest.fixture(scope="module")
+def dra_objects(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, Doc]]:
+    return [(DRA_MODE / "rendered", d) for d in _render(["modes/dra"], tmp_path_factory.mktemp("dra"))]
+
+
+def _key(doc: Doc) -> tuple[str, str | None, str]:
+    return doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]
+
+
+DRA_NEW = {("ClusterRole", None, "gpuplane-node-agent-dra"), ("ClusterRoleBinding", None, "gpuplane-node-agent-dra"),
+           ("ClusterRole", None, "gpuplane-scheduler-dra"), ("ClusterRoleBinding", None, "gpuplane-scheduler-dra"),
+           ("ValidatingAdmissionPolicy", None, "gpuplane-node-agent-resourceslices"),
+           ("ValidatingAdmissionPolicyBinding", None, "gpuplane-node-agent-resourceslices")}
+_READ = ("get", "list", "watch")
+# The node agent without its device plugin: the guard's reads (pods and its node; `get` of the Node also gives the
+# slices their owner), the reporter's Events, and the DRA driver's calls (gpuplane.node.dra_plugin reads the claim
+# kubelet names; gpuplane.node.dra_slices.publish_slices lists, creates, patches and deletes its node's slices).
+DRA_NODE_AGENT: set[Grant] = {
+    *{(v, "", r, "cluster", None) for v in _READ for r in ("pods", "nodes")},
+    *{(v, "gpuplane.io", "colocationpolicies", "cluster", None) for v in _READ},
+    ("create", "", "events", "default", None),
+    ("get", "resource.k8s.io", "resourceclaims", "cluster", None),
+    *{(v, "resource.k8s.io", "resourceslices", "cluster", None) for v in ("list", "create", "patch", "delete")},
+}
+# gpuplane-scheduler --dra: scheduler mode's calls, and gpuplane.kube.dra's informers on slices, classes and claims,
+# a claim read again after a conflict, its status patched (allocation, reservedFor).
+DRA_SCHEDULER: set[Grant] = SCHEDULER_MODE_REQUIRED | {
+    *{(v, "resource.k8s.io", r, "cluster", None) for v in _READ
+      for r in ("resourceslices", "deviceclasses", "resourceclaims")},
+    ("patch", "resource.k8s.io", "resourceclaims/status", "cluster", None),
+}
+
+
+def test_dra_mode_is_scheduler_mode_with_the_dra_driver_in_place_of_the_device_plugin(
+        dra_objects: list[tuple[Path, Doc]]) -> None:
+    for _, doc in dra_objects:
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION, _key(doc)
+    assert {_key(d) for _, d in dra_objects} == {_key(d) for _, d in SCHEDULER_MODE_OBJECTS} | DRA_NEW
+    spec, _ = _node_agent_container("dra-plugin", dra_objects)
+    [base] = [d for d in _of_kind("DaemonSet") if d["metadata"]["name"] == "gpuplane-node-agent"]
+    base_spec = base["spec"]["template"]["spec"]
+    assert [c["name"] for c in spec["containers"]] == ["dra-plugin", *(c["name"] for c in base_spec["containers"]
+                                                                       if c["name"] != "device-plugin")]
+    # the exporter, the guard and the reporter exactly as in the default install, with their volumes
+    for container in base_spec["containers"]:
+        if container["name"] != "device-plugin":
+            assert container in spec["containers"], container["name"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    kept = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+    assert set(volumes) == kept  # the device plugin's host directories are gone with it
+    assert {k: v for k, v in base_spec.items() if k not in ("containers", "volumes")} == \
+           {k: v for k, v in spec.items() if k not in ("containers", "volumes")}
+    [scheduler] = [c for d in _of_kind("Deployment", objects=dra_objects) if d["metadata"]["name"] ==
+                   "gpuplane-scheduler" for c in _containers(d)]
+    assert scheduler["args"] == [*_containers(_scheduler_mode_deployment())[0]["args"], "--dra"]
+
+
+def test_dra_modes_containers_run_real_commands_with_the_least_privilege(dra_objects: list[tuple[Path, Doc]]) -> None:
+    workloads = _of_kind("Deployment", "DaemonSet", "StatefulSet", objects=dra_objects)
+    for w in workloads:
+        for c in _containers(w):
+            if c["image"].startswith("ghcr.io/gpuplane/"):
+                _check_command(w["metadata"]["name"], c)
+    _check_security_contexts(workloads)
+    _, plugin = _node_agent_container("dra-plugin", dra_objects)
+    assert {"cpu", "memory"} <= set(plugin["resources"]["requests"]) and "memory" in plugin["resources"]["limits"]
+
+
+def test_dra_mode_grants_exactly_what_the_driver_and_the_scheduler_call(dra_objects: list[tuple[Path, Doc]]) -> None:
+    grants, builtin = _rbac(dra_objects)
+    for account, required in (("gpuplane-node-agent", DRA_NODE_AGENT), ("gpuplane-scheduler", DRA_SCHEDULER)):
+        got = grants[account]
+        assert required - got == set(), f"{account} lacks {sorted(required - got, key=str)}"
+        assert got - required == set(), f"{account} has more than it uses: {sorted(got - required, key=str)}"
+    assert "gpuplane-scheduler" not in builtin
+    others, _ = _rbac(SCHEDULER_MODE_OBJECTS)
+    assert {a: g for a, g in grants.items() if a not in ("gpuplane-node-agent", "gpuplane-scheduler")} == \
+           {a: g for a, g in others.items() if a not in ("gpuplane-node-agent", "gpuplane-scheduler")}
+
+
+def test_the_dra_plugin_serves_in_kubelets_directories_from_the_host(dra_objects: list[tuple[Path, Doc]]) -> None:
+    from gpuplane.node.dra_plugin import DraSettings
+
+    spec, plugin = _node_agent_container("dra-plugin", dra_objects)
+    defaults = DraSettings("n")
+    for flag, where in (("--registry-dir", defaults.registry_dir), ("--plugins-dir", defaults.plugins_dir),
+                        ("--cdi-dir", defaults.cdi_dir)):
+        assert _flag(plugin, flag) == str(where), flag  # where kubelet and the runtime look (docs/dra.md)
+    # every directory it writes is the host's, at the same path (kubelet dials the sockets the plugin names)
+    settings = DraSettings("n", registry_dir=Path(str(_flag(plugin, "--registry-dir"))),
+                           plugins_dir=Path(str(_flag(plugin, "--plugins-dir"))),
+                           cdi_dir=Path(str(_flag(plugin, "--cdi-dir"))))
+    for path in (settings.registration_socket.parent, settings.plugin_dir, settings.cdi_dir,
+                 Path(allocation.AllocationSettings().vgpu_dir), Path(allocation.AllocationSettings().lock_dir)):
+        assert _host_path(spec, plugin, str(path), writable=True) == str(path)
+    env = {e["name"]: e for e in plugin["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+@pytest.mark.parametrize("kind", ["livenessProbe", "readinessProbe"])
+def test_the_dra_plugin_probe_passes_exactly_while_both_sockets_exist(kind: str, dra_objects: list[tuple[Path, Doc]],
+                                                                       tmp_path: Path) -> None:
+    from gpuplane.node.dra_plugin import DraSettings
+
+    _, plugin = _node_agent_container("dra-plugin", dra_objects)
+    settings = DraSettings("n")
+    command = plugin[kind]["exec"]["command"]
+    here = {settings.registration_socket: tmp_path / "reg.sock", settings.endpoint: tmp_path / "dra.sock"}
+
+    def probe() -> int:
+        args = [sys.executable if a == "python3" else a for a in command]
+        for there, local in here.items():
+            args = [a.replace(str(there), str(local)) for a in args]
+        return subprocess.run(args, capture_output=True, timeout=30).returncode
+
+    assert all(str(there) in command[-1] for there in here)
+    assert probe() != 0  # neither socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as registration:
+        registration.bind(str(here[settings.registration_socket]))
+        assert probe() != 0  # the endpoint is missing
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as endpoint:
+            endpoint.bind(str(here[settings.endpoint]))
+            assert probe() == 0
+
+
+def test_the_dra_plugin_with_its_manifests_args_makes_only_calls_its_rbac_grants(
+        dra_objects: list[tuple[Path, Doc]]) -> None:
+    # The container's command line (kubelet's directories moved here, fake cards for NVML) against the local API
+    # server, through a prepare kubelet asks for: every request it made is one DRA mode's roles allow.
+    import tempfile
+
+    from daemons import gpuplane_daemon, sigterm
+    from gpuplane.node.dra_plugin import claim_path, dra_protocol, registration_protocol
+    from gpuplane.node.dra_slices import DRIVER, RESOURCE_SLICES
+
+    _, plugin = _node_agent_container("dra-plugin", dra_objects)
+    root = Path(tempfile.mkdtemp(prefix="dra", dir="/tmp"))  # a Unix socket path has 108 bytes at most
+    try:
+        swap = {_flag(plugin, "--registry-dir"): str(root / "reg"), _flag(plugin, "--plugins-dir"): str(root / "p"),
+                _flag(plugin, "--cdi-dir"): str(root / "cdi"), "$(NODE_NAME)": "dra-0"}
+        args = [swap.get(a, a) for a in plugin["args"]]
+        args[args.index("--interval") + 1] = "0.2"
+        with FakeApiServer() as server:
+            server.add_node(localapi.node_json("dra-0"))
+            stored = server.add_object(claim_path("team", ""), {
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"namespace": "team", "name": "train"}, "spec": {"devices": {"requests": [{"name": "g"}]}},
+                "status": {"allocation": {"devices": {"results": [
+                    {"request": "g", "driver": DRIVER, "pool": "dra-0", "device": "gpu-1"}]}}}})
+            kubeconfig = server.write_kubeconfig(root / "kubeconfig")
+            with gpuplane_daemon([*args, "--fake-cards", "2", "--fake-model", "A100-80GB",
+                                  "--kubeconfig", str(kubeconfig)]) as child:
+                registration = root / "reg" / f"{DRIVER}-reg.sock"
+                deadline = time.monotonic() + 60
+                while not (registration.exists() and server.keys("resourceslices")):
+                    assert child.poll() is None and time.monotonic() < deadline, "the plugin did not start"
+                    time.sleep(0.05)
+                with grpc.insecure_channel(f"unix://{registration}") as channel:
+                    info = registration_protocol().services.RegistrationStub(channel).GetInfo(
+                        registration_protocol().messages.InfoRequest(), timeout=5)
+                with grpc.insecure_channel(f"unix://{info.endpoint}") as channel:
+                    messages = dra_protocol().messages
+                    claim = messages.Claim(namespace="team", name="train", uid=stored["metadata"]["uid"])
+                    answer = dra_protocol().services.DRAPluginStub(channel).NodePrepareResources(
+                        messages.NodePrepareResourcesRequest(claims=[claim]), timeout=10)
+                assert answer.claims[stored["metadata"]["uid"]].error == ""
+                server.mutate("resourceslices", server.keys("resourceslices")[0],
+                              lambda s: s["spec"].update(devices=[]))  # changed behind its back: written again
+                time.sleep(1.0)
+                returncode, output = sigterm(child)
+                assert returncode == 0, output
+            calls = _calls(server)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert {(v, r) for v, _, r, _, _ in calls} >= {("get", "resourceclaims"), ("list", "resourceslices"),
+                                                   ("create", "resourceslices"), ("patch", "resourceslices"),
+                                                   ("get", "nodes")}
+    assert RESOURCE_SLICES.startswith("/apis/resource.k8s.io/v1/")
+    grants, _ = _rbac(dra_objects)
+    assert _ungranted(calls, grants["gpuplane-node-agent"]) == []
+
+
+def test_the_dra_scheduler_with_its_manifests_args_makes_only_calls_its_rbac_grants(
+        dra_objects: list[tuple[Path, Doc]], tmp_path: Path) -> None:
+    # gpuplane scheduler with the Deployment's arguments (--dra, leader election on its Lease; its ports moved to
+    # free ones) against the local API server: a claim's pod is allocated and bound, then preempted by a higher
+    # priority one (eviction, the claim released, allocated again). Every request is one DRA mode's roles allow.
+    from daemons import gpuplane_daemon, sigterm
+    from gpuplane.kube.cluster import pod_manifest
+    from gpuplane.kube.dra import CLASSES, SLICES, claim_manifest, with_claim
+    from gpuplane.kube.dra import claim_path as claims_of
+    from gpuplane.kube.scheduler_mode import DEFAULT_SCHEDULER_NAME
+    from gpuplane.model import NodeSpec, PodRequest, WholeCards, default_catalog
+    from gpuplane.node.dra_slices import spec_slices
+    from gpuplane.sim.dra_bench import device_classes, dra_node_manifest
+
+    [scheduler] = [c for d in _of_kind("Deployment", objects=dra_objects) if d["metadata"]["name"] ==
+                   "gpuplane-scheduler" for c in _containers(d)]
+
+    def free_port() -> str:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return str(sock.getsockname()[1])
+
+    args = list(scheduler["args"])
+    for flag in ("--health-port", "--metrics-port"):
+        args[args.index(flag) + 1] = free_port()
+    catalog = default_catalog()
+    spec = NodeSpec("dra-0", 64_000, 512_000, catalog.canonical("A100-80GB"), 2)
+    with FakeApiServer() as server:
+        server.add_node(dra_node_manifest(spec))
+        for cls in device_classes():
+            server.add_object(CLASSES, cls)
+        for piece in spec_slices(spec, catalog):
+            server.add_object(SLICES, piece)
+
+        def submit(name: str, priority: int) -> None:
+            request = PodRequest(f"team/{name}", cpu_milli=100, gpu=WholeCards(2))
+            server.add_object(claims_of("team"), claim_manifest(request, f"{name}-gpu"))
+            pod = with_claim(pod_manifest(request, scheduler_name=DEFAULT_SCHEDULER_NAME), f"{name}-gpu")
+            pod["spec"]["priority"] = priority
+            server.add_pod(pod)
+
+        def bound(name: str) -> bool:
+            pod = server.get("pods", f"team/{name}")
+            return pod is not None and pod["spec"].get("nodeName") == "dra-0"
+
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        with gpuplane_daemon([*args, "--kubeconfig", str(kubeconfig)]) as child:
+            submit("low", 100)
+            deadline = time.monotonic() + 60
+            while not bound("low"):
+                assert child.poll() is None and time.monotonic() < deadline, "low was not bound"
+                time.sleep(0.05)
+            submit("high", 1000)
+            while not bound("high"):
+                assert child.poll() is None and time.monotonic() < deadline, "high was not bound"
+                time.sleep(0.05)
+            returncode, output = sigterm(child)
+            assert returncode == 0, output
+        calls = _calls(server)
+    assert {(v, r) for v, _, r, _, _ in calls} >= {
+        ("patch", "resourceclaims/status"), ("create", "pods/binding"), ("create", "pods/eviction"),
+        ("list", "resourceslices"), ("watch", "resourceclaims"), ("list", "deviceclasses")}
+    grants, _ = _rbac(dra_objects)
+    assert _ungranted(calls, grants["gpuplane-scheduler"]) == []
+
+
+# (operation, user's node, slice's node (old one for a DELETE), user) → allowed?
+NODE_AGENT_USER = f"system:serviceaccount:{NAMESPACE}:gpuplane-node-agent"
+SLICE_POLICY_CASES = [
+    ("CREATE", "dra-0", "dra-0", NODE_AGENT_USER, True),    # its own node's slice
+    ("UPDATE", "dra-0", "dra-0", NODE_AGENT_USER, True),    # a patch is an UPDATE
+    ("DELETE", "dra-0", "dra-0", NODE_AGENT_USER, True),
+    ("CREATE", "dra-0", "dra-1", NODE_AGENT_USER, False),   # another node's
+    ("DELETE", "dra-0", "dra-1", NODE_AGENT_USER, False),
+    ("CREATE", "dra-0", None, NODE_AGENT_USER, False),      # a slice of no node (allNodes, nodeSelector)
+    ("CREATE", None, "dra-0", NODE_AGENT_USER, False),      # a token that names no node: refused
+    ("CREATE", None, "dra-1", "system:serviceaccount:kube-system:other-driver", True),  # not the policy's
+]
+
+
+@pytest.mark.parametrize(("operation", "user_node", "slice_node", "user", "allowed"), SLICE_POLICY_CASES)
+def test_the_node_agent_writes_its_own_nodes_slices_only(operation: str, user_node: str | None,
+                                                        slice_node: str | None, user: str, allowed: bool) -> None:
+    celpy = pytest.importorskip("celpy", reason="cel-python evaluates the policy")
+    [policy] = [d for p in _yaml_files(DRA_MODE) for d in _load(p) if d.get("kind") == "ValidatingAdmissionPolicy"]
+    [binding] = [d for p in _yaml_files(DRA_MODE) for d in _load(p)
+                 if d.get("kind") == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["resources"], set(rule["operations"])) == (
+        ["resource.k8s.io"], ["resourceslices"], {"CREATE", "UPDATE", "DELETE"})
+    slice_obj = {"metadata": {"name": "s"}, "spec": {"driver": "gpu.gpuplane.io",
+                                                     **({"nodeName": slice_node} if slice_node else {})}}
+    info: Doc = {"username": user}
+    if user_node is not None:
+        info["extra"] = {"authentication.kubernetes.io/node-name": [user_node]}
+    env = celpy.Environment()
+    activation: dict[str, Any] = {
+        "request": celpy.json_to_cel({"operation": operation, "userInfo": info}),
+        "object": celpy.json_to_cel(None if operation == "DELETE" else slice_obj),
+        "oldObject": celpy.json_to_cel(slice_obj if operation != "CREATE" else None)}
+
+    def evaluate(expression: str) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    if not all(evaluate(c["expression"]) for c in policy["spec"]["matchConditions"]):
+        assert allowed  # the policy does not apply: RBAC alone decides
+        return
+    variables = {v["name"]: evaluate(v["expression"]) for v in policy["spec"]["variables"]}
+    activation["variables"] = celpy.json_to_cel({k: str(v) for k, v in variables.items()})
+    results = [evaluate(v["expression"]) for v in policy["spec"]["validations"]]
+    assert all(isinstance(r, celpy.celtypes.BoolType) for r in results), results
+    assert all(results) is allowed
+
+
+def test_dra_modes_component_names_every_file_it_has() -> None:
+    component = yaml.safe_load((DRA_MODE / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component" and component["components"] == ["../scheduler"]
+    named = {*component["resources"], *(p["path"] for p in component["patches"] if "path" in p)}
+    assert named == {p.name for p in _yaml_files(DRA_MODE) if p.name not in NOT_API_OBJECTS}
