@@ -249,3 +249,38 @@ def test_a_nearline_worker_takes_its_next_task_in_place() -> None:
     assert 0 < worker[0] < per_task[0] / 2
     assert sum(kept.util["inference"]) >= sum(one.util["inference"])
     assert kept.batch.useful_gpu_h > 0
+
+
+def _nearline_on_lent_nodes(world: World, landed: list[str]) -> None:
+    """Every near-line pod bound onto a node of the training pool (a lent tidal node) is recorded."""
+    def on_event(event: ClusterEvent) -> None:
+        pod = event.pod
+        if event.kind is EventKind.POD_BOUND and pod is not None and pod.name.startswith("nearline-") \
+                and pod.assignment is not None:
+            (info,) = [n for n in world.cluster.list_nodes() if n.name == pod.assignment.node]
+            if info.spec.pool == TRAINING_POOL:
+                landed.append(pod.name)
+
+    world.cluster.watch(on_event)
+
+
+def test_nearline_work_on_the_l40s_cards_fills_them_and_leaves_lending_alone() -> None:
+    """The assumption of where near-line work co-locates, moved: on the A10/T4 cards only, the L40S cards
+    the tidal services leave by day sit empty; on the stable subset's too (the default), those are allocated
+    and busy and nothing is lent differently; on the tidal subset's too, its cards are as well, the tidal
+    controller still lends its nodes at night (it evicts the near-line pods there), and no near-line pod is
+    ever bound onto a lent node."""
+    landed: list[str] = []
+    narrow = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "none"}))
+    stable = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "stable"}))
+    wide = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "all"}), lambda w: _nearline_on_lent_nodes(w, landed))
+    assert sum(stable.alloc["inference-stable"]) > sum(narrow.alloc["inference-stable"])
+    assert sum(stable.util["inference-stable"]) > sum(narrow.util["inference-stable"])
+    # the tidal subset's cards as without (their replicas follow the same load; the training draws may differ)
+    assert sum(stable.alloc[TIDAL_POOL]) == pytest.approx(sum(narrow.alloc[TIDAL_POOL]), rel=0.01)
+    assert stable.lend_displaced == 0
+    assert sum(wide.alloc[TIDAL_POOL]) > sum(stable.alloc[TIDAL_POOL])
+    assert sum(wide.util[TIDAL_POOL]) > sum(stable.util[TIDAL_POOL])
+    assert wide.loans > 0 and wide.lend_displaced > 0 and landed == []
+    assert narrow.lend_displaced == 0
+    assert sum(narrow.util["fleet"]) < sum(stable.util["fleet"]) < sum(wide.util["fleet"])

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from builders import CATALOG, node, pod
 from gpuplane.controllers import (
     EARLY_RECLAIM_REASON,
+    LEND_REASON,
     LOAN_ANNOTATION,
     LOAN_LABEL,
     LOAN_TAINT,
@@ -37,7 +38,7 @@ from gpuplane.controllers import (
     nodes_emptied,
     removal_order,
 )
-from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, NodeSpec, PodRequest, Taint
+from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, NodeSpec, PodRequest, QoS, Taint
 from gpuplane.model.tidal import (
     DAY_S,
     Loan,
@@ -771,6 +772,45 @@ def test_a_night_shrinks_at_22_30_lends_from_23_30_and_returns_everything_at_07_
     world.run(RECLAIM + GRACE + TICK_S)  # the day's 12 tidal replicas are back on the returned nodes
     assert len(world.running("chat-tidal-")) == 12
     assert all(p.assignment is not None and p.assignment.node in TIDAL_NODES for p in world.running("chat-tidal-"))
+
+
+def test_offline_work_on_tidal_nodes_neither_keeps_them_from_emptying_nor_from_being_lent() -> None:
+    world = night(trainers=4)
+    controller = world.controller
+    assert controller is not None
+    # Near-line pods (QoS offline) on the cards the services left: t1 card 5 (beside 3 replicas), t3 cards 0-1.
+    for name, node_name, card in (("near-0", "t1", 5), ("near-1", "t3", 0), ("near-2", "t3", 1)):
+        assert world.cluster.create_pod(pod(name).cpu(100).mem(64).whole(1).qos(QoS.OFFLINE)
+                                        .pools(TIDAL_POOL).obj()).ok
+        bind_on(world.cluster, name, node_name, card)
+
+    world.run(SHRINK)  # drain costs count replicas only: t0 (1) and t1 (3) first, as without the near-line pods
+    assert world.tidal_layout() == {"t0": [], "t1": [], "t2": [4, 5, 6, 7], "t3": []}
+    assert controller.stats.drains[-1].emptied["fewest-instances"] == 2
+
+    world.run(LEND)  # t0, t1, t3 lent as before: the near-line pods on t1 and t3 are evicted with the grace
+    assert set(controller.ledger) == {"t0", "t1", "t3"}
+    assert controller.stats.offline_pods_displaced == 3
+    for name in ("near-0", "near-1", "near-2"):
+        info = world.cluster.get_pod(name)
+        assert info is not None and info.phase is PodPhase.TERMINATING
+        assert dict(info.annotations)["gpuplane.io/eviction-reason"] == LEND_REASON
+    world.run(LEND + GRACE + TICK_S)  # gone after the grace; the training pods hold every lent node's cards
+    assert all(world.cluster.get_pod(f"near-{i}") is None for i in range(3))
+    trained = sorted(p.assignment.node for p in world.running("train-") if p.assignment is not None)
+    assert trained == ["t0", "t1", "t3", "tr0"]
+
+
+def test_an_online_pod_keeps_a_tidal_node_from_being_lent() -> None:
+    world = night(trainers=4)
+    controller = world.controller
+    assert controller is not None
+    # Not one of the controller's services, but online: the controller never evicts it, so t3 stays home.
+    assert world.cluster.create_pod(pod("guest").cpu(100).mem(64).whole(1).pools(TIDAL_POOL).obj()).ok
+    bind_on(world.cluster, "guest", "t3", 0)
+    world.run(LEND)
+    assert set(controller.ledger) == {"t0", "t1"} and controller.stats.offline_pods_displaced == 0
+    assert_home(world.node("t3"))
 
 
 def test_loans_start_and_return_within_one_reconcile_period_when_ticks_miss_the_times() -> None:

@@ -13,6 +13,7 @@ from gpuplane.controllers.forecast import (
 )
 from gpuplane.controllers.tidal import (
     EARLY_RECLAIM_REASON,
+    LEND_REASON,
     LOAN_ANNOTATION,
     LOAN_LABEL,
     LOAN_TAINT,
@@ -31,6 +32,7 @@ from gpuplane.controllers.tidal import (
 
 __all__ = [
     "EARLY_RECLAIM_REASON",
+    "LEND_REASON",
     "LOAN_ANNOTATION",
     "LOAN_LABEL",
     "LOAN_TAINT",

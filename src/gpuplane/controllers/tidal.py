@@ -15,6 +15,10 @@ virtual time in the simulator and, later, against Kubernetes.
 - From `lend_from`, an emptied tidal node is lent: its pool becomes the training pool, it is labelled and
   tainted for training (inference pods cannot go there), and the loan is written on the node (annotation)
   and in the ledger. The planned reclaim time is annotated too, so training checkpoints ahead of it.
+  Offline work co-located on a tidal node (a pod whose QoS is not online, e.g. near-line batch on the cards
+  the services left) does not keep it from emptying: drain costs count online pods only, and when the node
+  is lent its offline pods are evicted (`LEND_REASON`, the reclaim grace, for a final checkpoint). One a
+  disruption budget held back is evicted again each pass while the node is lent.
 - At `reclaim_at`, or at once when the forecast needs more than the unlent nodes hold, training pods on lent
   nodes are evicted with a grace period for a final checkpoint and the nodes return to inference. A node
   reclaimed now serves only after that grace, so lending and reclaiming look `forecast_horizon_s +
@@ -47,7 +51,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gpuplane.controllers.forecast import LoadForecast, LoadSource
-from gpuplane.model import MILLI_PER_CARD, Taint
+from gpuplane.model import MILLI_PER_CARD, QoS, Taint
 from gpuplane.model.tidal import Loan, TidalPolicy, TidalService, TidalWindow
 from gpuplane.port import DELETION_COST, ClusterPort, Code, NodeInfo, PodInfo, PodPhase
 
@@ -62,6 +66,8 @@ RECLAIM_REASON = "tidal reclaim"
 """The eviction reason of training pods on a lent node taken back at the window's end."""
 EARLY_RECLAIM_REASON = "tidal early reclaim"
 """The eviction reason when the forecast needs a lent node back before the window ends."""
+LEND_REASON = "tidal lend"
+"""The eviction reason of offline work co-located on a tidal node when the node is lent."""
 
 
 class DrainOrder(enum.Enum):
@@ -141,6 +147,8 @@ class TidalStats:
     training_pods_evicted: int = 0
     evictions_held: int = 0
     """Reclaim evictions a disruption budget held back (answered PENDING); they are retried every pass."""
+    offline_pods_displaced: int = 0
+    """Co-located offline pods evicted from nodes as they were lent."""
     load_misses: int = 0
     """Load readings the load source could not give (the forecast kept its history)."""
     drains: list[DrainRecord] = field(default_factory=list)
@@ -196,6 +204,8 @@ class TidalController:
         pods = list(self.port.list_pods())
         for name in self._strays(nodes, pods):  # reclaim evictions a disruption budget held back
             self._evict(name, RECLAIM_REASON)
+        for name in self._lodgers(pods):  # offline pods on lent nodes whose lending eviction was held back
+            self._displace(name)
         by_workload: dict[str, list[PodInfo]] = {}
         for pod in pods:
             if pod.request.workload is not None:
@@ -274,8 +284,8 @@ class TidalController:
 
     def _mark_for_drain(self, running: Sequence[PodInfo], count: int, pods: Sequence[PodInfo]) -> None:
         by_node: dict[str, list[str]] = {}
-        for pod in pods:
-            if pod.assignment is not None and pod.phase is PodPhase.RUNNING:
+        for pod in pods:  # offline work co-located there leaves when the node is lent: it does not count
+            if pod.assignment is not None and pod.phase is PodPhase.RUNNING and pod.request.qos is QoS.ONLINE:
                 by_node.setdefault(pod.assignment.node, []).append(pod.name)
         # Oldest first, as created: NEWEST removes from the end.
         names = [p.name for p in sorted(running, key=lambda p: (p.created_at, p.request.instance or 0))]
@@ -289,8 +299,15 @@ class TidalController:
     # ------------------------------------------------------------------ lending
     def _lend_empty(self, window: TidalWindow, t: float, room_milli: int) -> None:
         """Lend empty tidal nodes while the unlent ones still hold what the forecast needs (with headroom)."""
-        busy = {p.assignment.node for p in self.port.list_pods()
-                if p.assignment is not None and p.phase in (PodPhase.RUNNING, PodPhase.TERMINATING)}
+        busy: set[str] = set()
+        offline: dict[str, list[str]] = {}
+        for p in self.port.list_pods():
+            if p.assignment is None or p.phase not in (PodPhase.RUNNING, PodPhase.TERMINATING):
+                continue
+            if p.request.qos is QoS.ONLINE:
+                busy.add(p.assignment.node)
+            elif p.phase is PodPhase.RUNNING:
+                offline.setdefault(p.assignment.node, []).append(p.name)
         reclaim_at = window.next_reclaim(t)
         keep = 1.0 - self.policy.reclaim_headroom
         for node in self.port.list_nodes():
@@ -311,6 +328,8 @@ class TidalController:
                 self.ledger[node.name] = loan
                 self.stats.loans += 1
                 room_milli -= int(size * keep)
+                for pod in offline.get(node.name, ()):  # tainted first, so nothing offline lands there again
+                    self._displace(pod)
 
     def _reclaim(self, names: Sequence[str], *, early: bool) -> None:
         if not names:
@@ -338,6 +357,22 @@ class TidalController:
             self.stats.training_pods_evicted += 1
         elif status.code is Code.PENDING:  # a disruption budget forbids it now: `_strays` finds it next pass
             self.stats.evictions_held += 1
+
+    def _displace(self, pod: str) -> None:
+        status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason=LEND_REASON)
+        if status.ok:
+            self.stats.offline_pods_displaced += 1
+        elif status.code is Code.PENDING:
+            self.stats.evictions_held += 1
+
+    def _lodgers(self, pods: Sequence[PodInfo]) -> list[str]:
+        """Offline pods still running on lent nodes that do not tolerate the loan's taint (co-located work whose
+        lending eviction was held back). Derived from the world, as `_strays` is."""
+        taint = LOAN_TAINT
+        return [p.name for p in pods
+                if p.phase is PodPhase.RUNNING and p.assignment is not None and p.assignment.node in self.ledger
+                and p.request.qos is not QoS.ONLINE
+                and not any(t.tolerates(taint.key, taint.value, taint.effect) for t in p.request.tolerations)]
 
     def _strays(self, nodes: Sequence[NodeInfo], pods: Sequence[PodInfo]) -> list[str]:
         """Training pods still running on tidal nodes that are home again (their eviction was held back).

@@ -13,6 +13,8 @@ Card names are the catalog's (`gpuplane.model.default_catalog()`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from gpuplane.controllers import SUBSET_LABEL
@@ -95,6 +97,10 @@ class PlatformSettings(WorldSettings):
     nearline_backlog: int = Field(default=40, ge=1, description="near-line pods kept pending (co-location)")
     nearline_milli: int = Field(default=300, ge=50, le=900, description="GPU share a near-line pod asks for")
     nearline_hours: float = Field(default=0.5, gt=0, description="a near-line task's mean work")
+    nearline_l40s: Literal["none", "stable", "all"] = Field(default="stable", description=(
+        "near-line work also co-locates on the L40S cards of the tidal services: none (A10/T4 only), the "
+        "stable subset's (never lent, its replicas steady), or all (the tidal subset's too, from whose nodes "
+        "the tidal controller evicts it when it lends them)"))
     nearline_worker: bool = Field(default=True, description=(
         "a near-line pod is a queue worker that takes the next task in place when one completes, as a message "
         "queue's consumer does (off: one pod a task, each completion frees its share and a new pod is scheduled)"))

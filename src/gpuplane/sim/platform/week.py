@@ -40,6 +40,7 @@ import numpy as np
 
 from gpuplane.controllers import (
     EARLY_RECLAIM_REASON,
+    LEND_REASON,
     LOAN_TAINT,
     RECLAIM_REASON,
     SeasonalForecaster,
@@ -166,6 +167,8 @@ class ArmRun:
     jobs_done: int = 0
     loans: int = 0
     early_reclaims: int = 0
+    lend_displaced: int = 0
+    """near-line pods the tidal controller evicted from nodes it lent"""
 
 
 def _memory_mib(request: PodRequest) -> int:
@@ -275,6 +278,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     job_rng = np.random.default_rng([s.seed, 5])
     counter = [0]
     save = s.save_model()
+    nearline_pools = frozenset({INFERENCE_POOL} | {"none": set(), "stable": {STABLE_POOL},
+                                                   "all": {STABLE_POOL, TIDAL_POOL}}[s.nearline_l40s])
 
     def submit(task: _Task) -> None:
         base = f"{task.request.name}.{task.attempt}"
@@ -324,7 +329,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         elif kind == NEARLINE:
             job = nearline_job(name)
             request = PodRequest(name, cpu_milli=2000, memory_mib=8192, gpu=gpu_form(s, "T4", s.nearline_milli, 0.25),
-                                 priority_class=BATCH_LOW, qos=QoS.OFFLINE, pools=frozenset({INFERENCE_POOL}),
+                                 priority_class=BATCH_LOW, qos=QoS.OFFLINE, pools=nearline_pools,
                                  checkpoint_every_s=s.checkpoint_every_s)
             task = _Task(kind, job, 1, request)
         else:  # a dev box
@@ -446,6 +451,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
             reason = dict(pod.annotations).get(EVICTION_REASON, "")
             if reason in (RECLAIM_REASON, EARLY_RECLAIM_REASON):
                 cause, grace = "reclaim", s.reclaim_grace_s
+            elif reason == LEND_REASON:
+                cause, grace = "lend", s.reclaim_grace_s
             else:
                 cause, grace = PREEMPTED, classes.victim_grace_s(pod.request)
             run.preemptions += cause == PREEMPTED
@@ -773,4 +780,5 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     loop.run(until=horizon)
     if tidal is not None:
         run.loans, run.early_reclaims = tidal.stats.loans, tidal.stats.early_reclaims
+        run.lend_displaced = tidal.stats.offline_pods_displaced
     return run
