@@ -1270,11 +1270,12 @@ DRA_NEW = {("ClusterRole", None, "gpuplane-node-agent-dra"), ("ClusterRoleBindin
            ("ValidatingAdmissionPolicyBinding", None, "gpuplane-node-agent-resourceslices")}
 _READ = ("get", "list", "watch")
 # The node agent without its device plugin: the guard's reads (pods and its node; `get` of the Node also gives the
-# slices their owner), the reporter's Events, and the DRA driver's calls (gpuplane.node.dra_plugin reads the claim
-# kubelet names; gpuplane.node.dra_slices.publish_slices lists, creates, patches and deletes its node's slices).
+# slices their owner), the reporter's Events, and the DRA driver's calls (the GpuPools and its node's labels for the
+# split and MIG mode; gpuplane.node.dra_plugin reads the claim kubelet names; gpuplane.node.dra_slices.
+# publish_slices lists, creates, patches and deletes its node's slices).
 DRA_NODE_AGENT: set[Grant] = {
     *{(v, "", r, "cluster", None) for v in _READ for r in ("pods", "nodes")},
-    *{(v, "gpuplane.io", "colocationpolicies", "cluster", None) for v in _READ},
+    *{(v, "gpuplane.io", r, "cluster", None) for v in _READ for r in ("colocationpolicies", "gpupools")},
     ("create", "", "events", "default", None),
     ("get", "resource.k8s.io", "resourceclaims", "cluster", None),
     *{(v, "resource.k8s.io", "resourceslices", "cluster", None) for v in ("list", "create", "patch", "delete")},

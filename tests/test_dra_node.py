@@ -1,7 +1,8 @@
 """The node agent in DRA mode (`gpuplane.node.dra_node`, `gpuplane dra-plugin`): the kubelet plugin and the
 node's ResourceSlices kept up by one loop against the local API server, with fake GPUs: the pool is published
 once per change and owned by the Node, a refused publish is made again at the next tick, a socket kubelet
-removed is served again, and the command ends on SIGTERM taking its sockets with it."""
+removed is served again, the command takes the split from the node's GpuPool and ends on SIGTERM taking its
+sockets with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 import grpc
 
 from daemons import gpuplane_daemon, sigterm
+from gpuplane.kube.crds import API_VERSION, GPU_POOL
 from gpuplane.kube.localapi import FakeApiServer, node_json
+from gpuplane.kube.objects import POOL_LABEL
 from gpuplane.model import default_catalog
 from gpuplane.node.dra_node import node_uid, run_dra_node
 from gpuplane.node.dra_plugin import PLUGIN_TYPE, DraPlugin, DraSettings, MemoryClaimSource, registration_protocol
@@ -83,9 +86,18 @@ def test_the_loop_publishes_once_per_change_retries_a_refusal_and_serves_a_remov
     assert result == [2]
 
 
+def vgpu_shares(server: FakeApiServer) -> set[str]:
+    """The `shares` capacity (holders at most: the split) of every vGPU device the node publishes."""
+    return {d["capacity"]["shares"]["value"] for s in slices(server) for d in s["spec"].get("devices", [])
+            if d["name"].endswith("-vgpu")}
+
+
 def test_gpuplane_dra_plugin_serves_publishes_and_ends_on_sigterm(tmp_path: Path) -> None:
+    # The node's GpuPool says split 4 (the flag's 10 applies without it), then 2: the slices follow.
     with FakeApiServer() as server:
-        server.add_object("/api/v1/nodes", node_json(NODE))
+        server.add_object(GPU_POOL.path(), {"apiVersion": API_VERSION, "kind": "GpuPool", "metadata": {"name": "p"},
+                                            "spec": {"models": ["A100-80GB"], "split": 4}})
+        server.add_node(node_json(NODE, labels={POOL_LABEL: "p"}))
         kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
         registration = tmp_path / "reg" / f"{DRIVER}-reg.sock"
         with gpuplane_daemon(["dra-plugin", "--node-name", NODE, "--registry-dir", str(tmp_path / "reg"),
@@ -95,6 +107,9 @@ def test_gpuplane_dra_plugin_serves_publishes_and_ends_on_sigterm(tmp_path: Path
             wait_until(lambda: registration.exists() and len(slices(server)) > 0, "the plugin's socket and slices",
                        timeout_s=60)
             assert get_info(registration).endpoint == str(tmp_path / "plugins" / DRIVER / "dra.sock")
+            assert vgpu_shares(server) == {"4"}  # the pool's split from the first publish
+            server.api.patch(GPU_POOL.path(name="p"), {"spec": {"split": 2}})
+            wait_until(lambda: vgpu_shares(server) == {"2"}, "the pool's new split in the slices")
             returncode, output = sigterm(child)
             assert returncode == 0, output
         assert not registration.exists()  # stop removes both sockets; the slices stay for the next start

@@ -19,7 +19,9 @@ from gpuplane.model import CatalogError, GpuplaneError, MigMode, default_catalog
 
 if TYPE_CHECKING:
     from gpuplane.kube.objects import NodeInventory
+    from gpuplane.node.device_plugin import Sharing
     from gpuplane.node.gpu import DeviceBackend
+    from gpuplane.node.pool_follow import PoolSharingSource
     from gpuplane.node.rdma import PhysicalFunction
 
 POOL_SYNC_S = 10.0
@@ -122,17 +124,7 @@ def register(app: typer.Typer) -> None:
         try:
             with on_sigterm(stop.set):
                 if pools is not None:
-                    pools.start()
-                    deadline = time.monotonic() + POOL_SYNC_S
-                    while not (synced := pools.wait_synced(0.05)) and not pools.last_error \
-                            and time.monotonic() < deadline:
-                        pass
-                    if not synced:  # advertise the flags' split; the pool's follows once it is known
-                        logging.getLogger(__name__).warning("the node's GpuPool is not known yet, the flags apply: "
-                                                            "%s", pools.last_error or "no answer")
-                    plugin.set_sharing(pools.resolve().sharing)
-                    threading.Thread(target=pools.run, args=(plugin.set_sharing, stop), name="node pool",
-                                     daemon=True).start()
+                    follow_pool(pools, plugin.set_sharing, stop)
                 try:
                     plugin.start()
                 except GpuplaneError as exc:
@@ -208,6 +200,21 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         finally:
             backend.close()
+
+
+def follow_pool(pools: PoolSharingSource, apply: Callable[[Sharing], object], stop: threading.Event) -> None:
+    """Follow the node's GpuPool: wait up to `POOL_SYNC_S` for the GpuPools and the node to be listed (the flags'
+    sharing applies until then, logged), give `apply` the sharing in force, then every change on a thread until
+    `stop` (and `pools.stop()`)."""
+    pools.start()
+    deadline = time.monotonic() + POOL_SYNC_S
+    while not (synced := pools.wait_synced(0.05)) and not pools.last_error and time.monotonic() < deadline:
+        pass
+    if not synced:  # the flags' sharing; the pool's follows once it is known
+        logging.getLogger(__name__).warning("the node's GpuPool is not known yet, the flags apply: %s",
+                                            pools.last_error or "no answer")
+    apply(pools.resolve().sharing)
+    threading.Thread(target=pools.run, args=(apply, stop), name="node pool", daemon=True).start()
 
 
 def gpu_backend(fake_cards: int | None, fake_model: str, *, mig: bool = False) -> DeviceBackend:

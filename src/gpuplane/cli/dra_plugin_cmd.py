@@ -3,6 +3,7 @@ device plugin on a DRA node (docs/dra.md, deploy/modes/dra)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 
 from gpuplane.cli.common import err, fail, log_to_stderr, on_sigterm
-from gpuplane.cli.device_plugin_cmd import gpu_backend
+from gpuplane.cli.device_plugin_cmd import follow_pool, gpu_backend
 from gpuplane.cli.operator_cmd import connect
 from gpuplane.model import GpuplaneError, MigMode
 
@@ -29,9 +30,11 @@ def register(app: typer.Typer) -> None:
             = Path("/var/lib/kubelet/plugins"),
         cdi_dir: Annotated[Path, typer.Option(help="where the container runtime reads CDI specs")]
             = Path("/var/run/cdi"),
-        split: Annotated[int, typer.Option(min=1, help="holders of one card's vGPU device at most")] = 10,
-        mig_mode: Annotated[str | None, typer.Option(help="MIG mode: dynamic, on, off [default: dynamic on "
-                                                          "MIG-capable cards]")] = None,
+        split: Annotated[int, typer.Option(min=1, help="holders of one card's vGPU device at most, unless the "
+                                                       "node's GpuPool gives its own")] = 10,
+        mig_mode: Annotated[str | None, typer.Option(help="MIG mode: dynamic, on, off, unless the node's GpuPool "
+                                                          "gives its own [default: dynamic on MIG-capable cards]")]
+            = None,
         unhealthy: Annotated[str, typer.Option(help="an unhealthy card's devices: taint (kept, tainted "
                                                     "NoSchedule) or omit (left out of the slices)")] = "taint",
         mps: Annotated[bool, typer.Option("--mps", help="the cards run an MPS daemon: hand out MPS client "
@@ -48,11 +51,14 @@ def register(app: typer.Typer) -> None:
                               ] = None,
     ) -> None:
         """Serve gpuplane's cards to kubelet as the DRA driver gpu.gpuplane.io (kubelet plugin dra/v1) and publish
-        them as this node's ResourceSlices, until Ctrl-C or SIGTERM."""
+        them as this node's ResourceSlices, until Ctrl-C or SIGTERM. The node's GpuPool (label gpuplane.io/pool)
+        gives the split and MIG mode; --split and --mig-mode apply without a valid one."""
         from gpuplane.node.allocation import AllocationSettings
-        from gpuplane.node.dra_node import node_uid, run_dra_node
+        from gpuplane.node.device_plugin import Sharing
+        from gpuplane.node.dra_node import node_uid, run_dra_node, set_sharing
         from gpuplane.node.dra_plugin import DraPlugin, DraSettings, KubeClaimSource
         from gpuplane.node.dra_slices import SlicePublisher, SliceSettings, UnhealthyPolicy
+        from gpuplane.node.pool_follow import PoolSharingSource
 
         node = node_name or os.environ.get("NODE_NAME")
         if not node:
@@ -70,6 +76,7 @@ def register(app: typer.Typer) -> None:
         settings = DraSettings(node, registry_dir=registry_dir, plugins_dir=plugins_dir, cdi_dir=cdi_dir,
                                allocation=AllocationSettings(mps=mps, mps_pipe_dir=mps_pipe_dir, vgpu_dir=vgpu_dir))
         plugin = DraPlugin(settings, backend, KubeClaimSource(api))
+        pools = PoolSharingSource(api, node, Sharing(split, mode), refresh_s=interval_s)
         log_to_stderr()
         stop = threading.Event()
         try:
@@ -83,6 +90,7 @@ def register(app: typer.Typer) -> None:
                 publisher = SlicePublisher(api, backend, backend.describe, plugin.model,
                                            SliceSettings(node, split=split, mig_mode=mode, unhealthy=policy,
                                                          node_uid=node_uid(api, node)))
+                follow_pool(pools, functools.partial(set_sharing, publisher), stop)
                 err.print(f"DRA driver {settings.driver} on {node} ({plugin.model.name} cards): registration "
                           f"{settings.registration_socket}, endpoint {settings.endpoint}")
                 run_dra_node(plugin, publisher, stop, interval_s)
@@ -90,5 +98,6 @@ def register(app: typer.Typer) -> None:
             pass
         finally:
             stop.set()
+            pools.stop()
             plugin.stop()
             backend.close()

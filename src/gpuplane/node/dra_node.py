@@ -1,7 +1,8 @@
 """The node agent in DRA mode: the kubelet plugin (`dra_plugin.DraPlugin`) and the node's ResourceSlices
 (`dra_slices.SlicePublisher`) over one GPU backend, kept up by one loop (`run_dra_node`).
 
-This is what `gpuplane dra-plugin` runs in place of the device plugin (deploy/modes/dra). The loop serves the
+This is what `gpuplane dra-plugin` runs in place of the device plugin (deploy/modes/dra), with the split and MIG
+mode of the node's GpuPool followed as the device plugin follows them (`set_sharing`). The loop serves the
 plugin's sockets again when kubelet removed them (`DraPlugin.tick`) and republishes the pool every tick; the
 publisher writes only when the slices changed (a card's health, a MIG mode), so an idle node costs one list of
 its own slices per tick. A publish the API server refuses or cannot take is logged and made again at the next
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from gpuplane.kube.api import ApiError, KubeApi
+from gpuplane.node.device_plugin import Sharing
 from gpuplane.node.dra_plugin import DraPlugin
 from gpuplane.node.dra_slices import SlicePublisher
 from gpuplane.node.gpu import GpuBackendError
 
-__all__ = ["node_path", "node_uid", "run_dra_node"]
+__all__ = ["node_path", "node_uid", "run_dra_node", "set_sharing"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,13 @@ def node_uid(api: KubeApi, node: str) -> str | None:
         log.warning("cannot read Node %s (%s): its ResourceSlices get no owner", node, exc)
         return None
     return str(uid) if uid else None
+
+
+def set_sharing(publisher: SlicePublisher, sharing: Sharing) -> None:
+    """The split and MIG mode of the node's GpuPool (`pool_follow.PoolSharingSource`, as the device plugin takes
+    them) for the slices the next tick publishes: the vGPU device's holders and default share, which kinds of
+    device are published."""
+    publisher.settings = replace(publisher.settings, split=sharing.split, mig_mode=sharing.mig_mode)
 
 
 def run_dra_node(plugin: DraPlugin, publisher: SlicePublisher, stop: threading.Event, interval_s: float) -> int:
