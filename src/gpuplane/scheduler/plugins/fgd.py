@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from gpuplane.model import MILLI_PER_CARD, CardShare, ClusterState, Fraction, PodRequest, WholeCards
 from gpuplane.scheduler.framework import CARD_OK, BoolArray, CardPick, CycleState, FloatArray, IntArray, StateKey
@@ -34,10 +35,12 @@ class _Cache:
     version: IntArray
     score: IntArray
     card: IntArray
+    value: FloatArray
+    """What `score` returns: the FGD score plus the variant's node terms (`_with_node_terms`)."""
 
 
-def _terms(free: IntArray, cpu: IntArray, static: BoolArray, shapes: ShapeArrays
-           ) -> tuple[IntArray, IntArray, IntArray]:
+def _shape_terms(free: IntArray, cpu: IntArray, static: BoolArray, shapes: ShapeArrays
+                 ) -> tuple[IntArray, IntArray, IntArray]:
     """Per node row and typical shape m, in integer milli-GPU, from (k, W) free per card: the free milli on cards
     too small for m, how many cards are big enough, and F_n(m) (k, M each).
 
@@ -56,23 +59,101 @@ def _delta_score(before: IntArray, after: IntArray, shapes: ShapeArrays, scale: 
     """⌊100 · sigmoid(Σ_m p_m (F_n(m) before − F_n(m) after) / scale)⌋ over the last axis (M).
 
     The difference is taken per shape in exact integers before the weighting, so a placement that changes no
-    F_n(m) scores exactly 50 (the old form, F(M) before − F(M) after as two weighted sums, gave the same scores
-    on every decision of the bundled traces; tests/test_fgd_plus_equivalence.py).
+    F_n(m) scores exactly 50, and the weighting is an `einsum`, whose sum for a row does not depend on how many
+    rows are computed with it (a BLAS matrix product's does, in the last bit). The old form, F(M) before −
+    F(M) after as two BLAS-weighted sums, gave the same scores on every decision of the bundled traces
+    (tests/test_fgd_plus_equivalence.py).
     """
-    return sigmoid_score((before - after).astype(np.float64) @ shapes.popularity, scale)
+    delta = np.einsum("...m,m->...", (before - after).astype(np.float64), shapes.popularity)
+    return sigmoid_score(delta, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class _Terms:
+    """What FGD needs of k node states: usable milli free per card (0 on MIG and padding cards), which cards
+    are usable and idle (whole, no holder), free CPU, and per typical shape the `_shape_terms` and `static`."""
+
+    free: IntArray  # (k, W)
+    usable: BoolArray  # (k, W)
+    idle: BoolArray  # (k, W)
+    cpu: IntArray  # (k,)
+    static: BoolArray  # (k, M)
+    small: IntArray  # (k, M)
+    count: IntArray  # (k, M)
+    before: IntArray  # (k, M)
+
+    @staticmethod
+    def of_rows(milli_free: IntArray, valid: BoolArray, mig: BoolArray, holders: IntArray, cpu: IntArray,
+                model: npt.NDArray[np.integer], shapes: ShapeArrays) -> _Terms:
+        usable = valid & ~mig
+        free = np.where(usable, milli_free, 0)
+        idle = usable & (free == MILLI_PER_CARD) & (holders == 0)
+        static = shapes.model_ok[:, model].T & (shapes.milli > 0)
+        small, count, before = _shape_terms(free, cpu, static, shapes)
+        return _Terms(free, usable, idle, cpu, static, small, count, before)
+
+    @staticmethod
+    def of_nodes(state: ClusterState, nodes: IntArray, shapes: ShapeArrays) -> _Terms:
+        return _Terms.of_rows(state.card_milli_free[nodes], state.card_valid[nodes], state.card_mig[nodes],
+                              state.card_holders[nodes], state.cpu_free[nodes], state.model_idx[nodes], shapes)
+
+    def take(self, rows: IntArray) -> _Terms:
+        return _Terms(self.free[rows], self.usable[rows], self.idle[rows], self.cpu[rows], self.static[rows],
+                      self.small[rows], self.count[rows], self.before[rows])
+
+    def one_share(self, share: int, cpu_milli: int, shapes: ShapeArrays, scale: float) -> IntArray:
+        """(k, W): the score of `share` milli more on each card.
+
+        Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
+        and the big-card count move by card g alone: a card already too small for m loses d from the sum; a
+        card that drops below d_m adds R(g) − d to it and leaves the count. Cards that cannot take the share
+        get meaningless values; the caller masks them.
+        """
+        d_m = shapes.milli
+        r_after = self.free[:, :, None] - share  # (k, W, 1)
+        below = self.free[:, :, None] < d_m  # (k, W, M)
+        crossing = (r_after < d_m) & ~below
+        small = self.small[:, None, :] - share * below + np.where(crossing, r_after, 0)
+        count = self.count[:, None, :] - crossing
+        host = (count >= shapes.cards) & ((self.cpu - cpu_milli)[:, None, None] >= shapes.cpu) \
+            & self.static[:, None, :]
+        total_after = self.free.sum(axis=1) - share
+        after = np.where(host, small, total_after[:, None, None])
+        return _delta_score(self.before[:, None, :], after, shapes, scale)
+
+    def one_share_sparse(self, share: int, cpu_milli: int, shapes: ShapeArrays, scale: float) -> IntArray:
+        """`one_share` for many rows: only cards that can take the share, each (row, milli free) once; −1 on the
+        other cards. An idle 8-card node is one evaluation instead of eight."""
+        rows, cards = np.nonzero(self.usable & (self.free >= share))
+        out = np.full(self.free.shape, -1, np.int64)
+        if not len(rows):
+            return out
+        r = self.free[rows, cards]
+        _, first, inverse = np.unique(rows * (MILLI_PER_CARD + 1) + r, return_index=True, return_inverse=True)
+        pair_rows = rows[first]
+        d_m = shapes.milli
+        r_after = (r[first] - share)[:, None]  # (P, 1)
+        below = r[first][:, None] < d_m  # (P, M)
+        crossing = (r_after < d_m) & ~below
+        small = self.small[pair_rows] - share * below + np.where(crossing, r_after, 0)
+        count = self.count[pair_rows] - crossing
+        host = (count >= shapes.cards) & ((self.cpu[pair_rows] - cpu_milli)[:, None] >= shapes.cpu) \
+            & self.static[pair_rows]
+        total_after = self.free.sum(axis=1)[pair_rows] - share
+        after = np.where(host, small, total_after[:, None])
+        out[rows, cards] = _delta_score(self.before[pair_rows], after, shapes, scale)[inverse.reshape(-1)]
+        return out
 
 
 class _NodeClasses:
     """Node states by content, for one cluster state and one M, kept per `ClusterState.node_version`.
 
-    FGD's terms of a node depend only on its usable milli-GPU free per card, which cards are idle (whole, no
-    holder), its free CPU and its card model. Nodes equal in these share a class, whose terms (F_n(m) per
-    typical shape, and the per-shape small-card sums and big-card counts that the score of one more share
-    needs) are computed once, when a node first shows that state. On a large cluster most idle nodes fall into
-    a few classes, so the first score of a pod shape costs a few classes, not every node.
+    FGD's terms of a node depend only on its cards' milli free, holders, MIG mode and validity, its free CPU and
+    its card model. Nodes equal in these share a class whose `_Terms` are computed once, when a node first
+    shows that state. On a large cluster most idle nodes fall into a few classes, so the first score of a pod
+    shape costs a few classes, not every node.
     """
 
-    _TERMS = ("free", "idle", "cpu", "small", "count", "static", "before")
     LIMIT_PER_NODE = 4
     """Classes kept per node (at least 4,096) before the table starts over; a node's old states are dropped."""
 
@@ -81,16 +162,12 @@ class _NodeClasses:
         self.width = width
         self.version = np.full(0, -1, np.int64)
         self.class_of = np.zeros(0, np.int64)
-        self._ids: dict[bytes, int] = {}
-        m = len(shapes.cpu)
+        self._ids: dict[tuple[bytes, bytes, bytes, bytes, int, int], int] = {}
         self.size = 0
-        self.free = np.zeros((0, width), np.int64)
-        self.idle = np.zeros((0, width), np.bool_)
-        self.cpu = np.zeros(0, np.int64)
-        self.small = np.zeros((0, m), np.int64)
-        self.count = np.zeros((0, m), np.int64)
-        self.static = np.zeros((0, m), np.bool_)
-        self.before = np.zeros((0, m), np.int64)
+        m = len(shapes.cpu)
+        self._terms = _Terms(np.zeros((0, width), np.int64), np.zeros((0, width), np.bool_),
+                             np.zeros((0, width), np.bool_), np.zeros(0, np.int64), np.zeros((0, m), np.bool_),
+                             np.zeros((0, m), np.int64), np.zeros((0, m), np.int64), np.zeros((0, m), np.int64))
 
     def full(self, nodes: int) -> bool:
         return self.size > self.LIMIT_PER_NODE * max(nodes, 1024)
@@ -102,22 +179,22 @@ class _NodeClasses:
             grown = max(n, 2 * len(self.version))
             self.version = np.concatenate([self.version, np.full(grown - len(self.version), -1, np.int64)])
             self.class_of = np.concatenate([self.class_of, np.zeros(grown - len(self.class_of), np.int64)])
-        versions = state.node_version[nodes]
-        stale = nodes[self.version[nodes] != versions]
+        stale = nodes[self.version[nodes] != state.node_version[nodes]]
         if len(stale):
             self._assign(state, stale)
         out: IntArray = self.class_of[nodes]
         return out
 
+    def terms(self, classes: IntArray) -> _Terms:
+        return self._terms.take(classes)
+
     def _assign(self, state: ClusterState, stale: IntArray) -> None:
-        usable = state.card_valid[stale] & ~state.card_mig[stale]
-        free = np.where(usable, state.card_milli_free[stale], 0)
-        idle = usable & (free == MILLI_PER_CARD) & (state.card_holders[stale] == 0)
+        milli, holders = state.card_milli_free[stale], state.card_holders[stale]
+        valid, mig = state.card_valid[stale], state.card_mig[stale]
         cpu = state.cpu_free[stale]
-        model = state.model_idx[stale].astype(np.int64)
-        rows = np.ascontiguousarray(np.concatenate(
-            [free, usable.astype(np.int64) + 2 * idle, cpu[:, None], model[:, None]], axis=1))
-        keys: list[bytes] = rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize)))[:, 0].tolist()
+        model = state.model_idx[stale]
+        keys = zip(_row_bytes(milli), _row_bytes(holders), _row_bytes(valid), _row_bytes(mig), cpu.tolist(),
+                   model.tolist(), strict=True)
         ids = self._ids
         fresh: list[int] = []
         found: list[int] = []
@@ -128,57 +205,38 @@ class _NodeClasses:
                 fresh.append(i)
             found.append(cid)
         if fresh:
-            self._add(free[fresh], idle[fresh], cpu[fresh], model[fresh])
+            self._add(_Terms.of_rows(milli[fresh], valid[fresh], mig[fresh], holders[fresh], cpu[fresh],
+                                     model[fresh], self.shapes))
         self.class_of[stale] = found
         self.version[stale] = state.node_version[stale]
 
-    def _add(self, free: IntArray, idle: BoolArray, cpu: IntArray, model: IntArray) -> None:
-        shapes = self.shapes
-        static = shapes.model_ok[:, model].T & (shapes.milli > 0)
-        small, count, before = _terms(free, cpu, static, shapes)
-        start, end = self.size, self.size + len(cpu)
-        if end > len(self.cpu):  # capacity doubles, so adding classes one at a time stays linear
-            grown = max(end, 2 * len(self.cpu), 64)
-            for name in self._TERMS:
-                old = getattr(self, name)
-                new = np.zeros((grown, *old.shape[1:]), old.dtype)
-                new[:start] = old[:start]
-                setattr(self, name, new)
-        self.free[start:end] = free
-        self.idle[start:end] = idle
-        self.cpu[start:end] = cpu
-        self.small[start:end] = small
-        self.count[start:end] = count
-        self.static[start:end] = static
-        self.before[start:end] = before
+    def _add(self, new: _Terms) -> None:
+        start, end = self.size, self.size + len(new.cpu)
+        t = self._terms
+        if end > len(t.cpu):  # capacity doubles, so adding classes one at a time stays linear
+            grown = max(end, 2 * len(t.cpu), 64)
+            arrays = []
+            for old in (t.free, t.usable, t.idle, t.cpu, t.static, t.small, t.count, t.before):
+                wider = np.zeros((grown, *old.shape[1:]), old.dtype)
+                wider[:start] = old[:start]
+                arrays.append(wider)
+            t = self._terms = _Terms(*arrays)
+        for into, rows in ((t.free, new.free), (t.usable, new.usable), (t.idle, new.idle), (t.cpu, new.cpu),
+                           (t.static, new.static), (t.small, new.small), (t.count, new.count),
+                           (t.before, new.before)):
+            into[start:end] = rows
         self.size = end
 
-    def one_share(self, classes: IntArray, share: int, cpu_milli: int, scale: float) -> IntArray:
-        """(k, W): the score of `share` milli more on each card of each class, from the class's terms.
 
-        Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
-        and the big-card count move by card g's terms alone (before: R(g), after: R(g) − d). Cards that
-        cannot take the share get meaningless values; the caller masks them.
-        """
-        shapes = self.shapes
-        d_m = shapes.milli
-        r = self.free[classes][:, :, None]  # (k, W, 1)
-        r_after = r - share
-        small = self.small[classes][:, None, :] - np.where(r < d_m, r, 0) + np.where(r_after < d_m, r_after, 0)
-        count = self.count[classes][:, None, :] - (r >= d_m) + (r_after >= d_m)
-        cpu_after = self.cpu[classes] - cpu_milli
-        host = (count >= shapes.cards) & (cpu_after[:, None, None] >= shapes.cpu) & self.static[classes][:, None, :]
-        total_after = self.free[classes].sum(axis=1) - share
-        after = np.where(host, small, total_after[:, None, None])
-        return _delta_score(self.before[classes][:, None, :], after, shapes, scale)
+def _row_bytes(rows: npt.NDArray[np.generic]) -> list[bytes]:
+    """Each row of a 2-D array as its bytes (`row.tobytes()`), for dictionary keys."""
+    contiguous = np.ascontiguousarray(rows)
+    out: list[bytes] = contiguous.view(np.dtype((np.void, contiguous.shape[1] * contiguous.itemsize)))[:, 0].tolist()
+    return out
 
 
-def _unique(values: IntArray) -> tuple[IntArray, IntArray]:
-    """Distinct values and, per entry, the index of its value (small batches skip the sort)."""
-    if len(values) <= 8:
-        return values, np.arange(len(values))
-    uniq, inverse = np.unique(values, return_inverse=True)
-    return uniq, inverse.reshape(-1)
+SMALL_BATCH = 16
+"""Up to this many nodes are scored from their own rows; more are grouped into classes first."""
 
 
 class FgdScore:
@@ -224,7 +282,8 @@ class FgdScore:
         key = (pod.cpu_milli, pod.memory_mib, pod.gpu, pod.models)
         cache = self._caches.get(key)
         if cache is None or len(cache.version) < n:
-            cache = _Cache(np.full(n, -1, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64))
+            cache = _Cache(np.full(n, -1, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
+                           np.zeros(n, np.float64))
             self._caches[key] = cache
         stale = nodes[cache.version[nodes] != state.node_version[nodes]]
         if len(stale):
@@ -233,9 +292,17 @@ class FgdScore:
                                           card_ok[stale] if card_ok is not None else None)
             cache.score[stale] = scores
             cache.card[stale] = cards
+            cache.value[stale] = self._with_node_terms(state, stale, scores)
             cache.version[stale] = state.node_version[stale]
         cycle.write(FGD_CARD, cache.card)
-        return cache.score[nodes].astype(np.float64)
+        out: FloatArray = cache.value[nodes]
+        return out
+
+    def _with_node_terms(self, state: ClusterState, nodes: IntArray, scores: IntArray) -> FloatArray:
+        """The score `score` returns for `nodes` from their FGD scores. Variants add terms that depend on the
+        node's state alone; they are cached with the FGD score, so they too are recomputed only for nodes that
+        changed (`ClusterState.node_version`)."""
+        return scores.astype(np.float64)
 
     def _compute(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
                  card_ok: BoolArray | None = None) -> tuple[IntArray, IntArray]:
@@ -243,25 +310,34 @@ class FgdScore:
 
         Score = ⌊100 · sigmoid((F_n(M) before − F_n(M) after) / delta_scale)⌋. A share on one card scores every
         card that can take it and keeps the first with the best score; whole cards take the lowest idle cards.
-        The terms come per node class (`_NodeClasses`), so nodes in equal states are computed once.
+        A large batch (a pod shape's first score) is grouped into node classes (`_NodeClasses`), so nodes in
+        equal states are computed once.
         """
         scale = self.delta_scale
         gpu = pod.gpu
         none = np.full(len(nodes), -1, np.int64)
         if gpu is None and not pod.cpu_milli:
             return np.full(len(nodes), 100, np.int64), none
-        classes = self._classes(state, shapes)
-        uniq, inverse = _unique(classes.of(state, nodes))
+        inverse: IntArray | None = None
+        if len(nodes) <= SMALL_BATCH:
+            terms = _Terms.of_nodes(state, nodes, shapes)
+        else:
+            uniq, inverse = np.unique(self._classes(state, shapes).of(state, nodes), return_inverse=True)
+            terms = self._classes(state, shapes).terms(uniq)
         if isinstance(gpu, Fraction):
             d = gpu.compute_milli
-            usable = state.card_valid[nodes] & ~state.card_mig[nodes]
-            free = classes.free[uniq][inverse]
+            if inverse is None:
+                per_class = terms.one_share(d, pod.cpu_milli, shapes, scale)
+                free, usable = terms.free, terms.usable
+            else:
+                per_class = terms.one_share_sparse(d, pod.cpu_milli, shapes, scale)
+                free, usable = terms.free[inverse], terms.usable[inverse]
             fits = usable & (free >= d)
             if card_ok is not None:
                 fits &= card_ok
             elif gpu.memory_mib:
                 fits &= state.card_mem_free[nodes] >= gpu.memory_mib
-            per_card = np.where(fits, classes.one_share(uniq, d, pod.cpu_milli, scale)[inverse], -1)
+            per_card = np.where(fits, per_class if inverse is None else per_class[inverse], -1)
             if gpu.count > 1:
                 # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
                 # take it; the score is the node's fragmentation change, and the picker chooses the cards.
@@ -269,18 +345,18 @@ class FgdScore:
                 taken = np.zeros(free.shape, np.bool_)
                 np.put_along_axis(taken, best, True, axis=1)
                 taken &= fits
-                members = uniq[inverse]
-                _, _, after = _terms(free - d * taken, classes.cpu[members] - pod.cpu_milli,
-                                     classes.static[members], shapes)
-                return _delta_score(classes.before[members], after, shapes, scale), none
+                node_terms = terms if inverse is None else terms.take(inverse)
+                _, _, after = _shape_terms(free - d * taken, node_terms.cpu - pod.cpu_milli, node_terms.static,
+                                           shapes)
+                return _delta_score(node_terms.before, after, shapes, scale), none
             card = np.argmax(per_card, axis=1)  # the first card with the best integer score
             return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
-        free = classes.free[uniq]
+        free = terms.free
         if isinstance(gpu, WholeCards):
-            idle = classes.idle[uniq]
-            free = np.where(idle & (np.cumsum(idle, axis=1) <= gpu.count), 0, free)
-        _, _, after = _terms(free, classes.cpu[uniq] - pod.cpu_milli, classes.static[uniq], shapes)
-        return _delta_score(classes.before[uniq], after, shapes, scale)[inverse], none
+            free = np.where(terms.idle & (np.cumsum(terms.idle, axis=1) <= gpu.count), 0, free)
+        _, _, after = _shape_terms(free, terms.cpu - pod.cpu_milli, terms.static, shapes)
+        scores = _delta_score(terms.before, after, shapes, scale)
+        return (scores if inverse is None else scores[inverse]), none
 
 
 class OnlineFgdScore(FgdScore):
@@ -359,8 +435,7 @@ class FgdUsedScore(OnlineFgdScore):
 
     name = "FGD-used"
 
-    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        base = super().score(cycle, pod, state, nodes)
+    def _with_node_terms(self, state: ClusterState, nodes: IntArray, scores: IntArray) -> FloatArray:
         used = (state.gpu_milli_used[nodes] > 0) | (state.cpu_free[nodes] < state.cpu_cap[nodes])
-        out: FloatArray = base + 0.5 * used
+        out: FloatArray = scores.astype(np.float64) + 0.5 * used
         return out

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuplane.model import ClusterState, PodRequest
-from gpuplane.scheduler.framework import CycleState, FloatArray, IntArray
+from gpuplane.model import ClusterState
+from gpuplane.scheduler.framework import FloatArray, IntArray
 from gpuplane.scheduler.plugins.fgd import FgdScore
 from gpuplane.scheduler.plugins.frag import TypicalPods
 
@@ -36,8 +36,9 @@ class FgdPlusScore(FgdScore):
         self.delta_scale = delta_scale
         self.used_bonus = used_bonus
 
-    def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        base = super().score(cycle, pod, state, nodes)
+    def _with_node_terms(self, state: ClusterState, nodes: IntArray, scores: IntArray) -> FloatArray:
+        # Whether a node is in use changes only with its state, so the bonus is cached with the FGD score.
+        base = scores.astype(np.float64)
         if not self.used_bonus:
             return base
         out: FloatArray = base + self.used_bonus * used_nodes(state, nodes)
