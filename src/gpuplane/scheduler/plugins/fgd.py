@@ -16,6 +16,7 @@ arrivals seen so far with exponentially decayed counts, as a live scheduler must
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,46 +85,25 @@ class _Terms:
 
     @staticmethod
     def of_rows(milli_free: IntArray, valid: BoolArray, mig: BoolArray, holders: IntArray, cpu: IntArray,
-                model: npt.NDArray[np.integer], shapes: ShapeArrays) -> _Terms:
+                static: BoolArray, shapes: ShapeArrays) -> _Terms:
         usable = valid & ~mig
         free = np.where(usable, milli_free, 0)
-        idle = usable & (free == MILLI_PER_CARD) & (holders == 0)
-        static = shapes.model_ok[:, model].T & (shapes.milli > 0)
+        idle = (free == MILLI_PER_CARD) & (holders == 0)  # a whole free card is usable (others have 0 free)
         small, count, before = _shape_terms(free, cpu, static, shapes)
         return _Terms(free, usable, idle, cpu, static, small, count, before)
-
-    @staticmethod
-    def of_nodes(state: ClusterState, nodes: IntArray, shapes: ShapeArrays) -> _Terms:
-        return _Terms.of_rows(state.card_milli_free[nodes], state.card_valid[nodes], state.card_mig[nodes],
-                              state.card_holders[nodes], state.cpu_free[nodes], state.model_idx[nodes], shapes)
 
     def take(self, rows: IntArray) -> _Terms:
         return _Terms(self.free[rows], self.usable[rows], self.idle[rows], self.cpu[rows], self.static[rows],
                       self.small[rows], self.count[rows], self.before[rows])
 
     def one_share(self, share: int, cpu_milli: int, shapes: ShapeArrays, scale: float) -> IntArray:
-        """(k, W): the score of `share` milli more on each card.
+        """(k, W): the score of `share` milli more on each card that can take it (−1 on the others), each
+        (row, milli free) pair once, so an idle 8-card node is one evaluation instead of eight.
 
         Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
         and the big-card count move by card g alone: a card already too small for m loses d from the sum; a
-        card that drops below d_m adds R(g) − d to it and leaves the count. Cards that cannot take the share
-        get meaningless values; the caller masks them.
+        card that drops below d_m adds R(g) − d to it and leaves the count.
         """
-        d_m = shapes.milli
-        r_after = self.free[:, :, None] - share  # (k, W, 1)
-        below = self.free[:, :, None] < d_m  # (k, W, M)
-        crossing = (r_after < d_m) & ~below
-        small = self.small[:, None, :] - share * below + np.where(crossing, r_after, 0)
-        count = self.count[:, None, :] - crossing
-        host = (count >= shapes.cards) & ((self.cpu - cpu_milli)[:, None, None] >= shapes.cpu) \
-            & self.static[:, None, :]
-        total_after = self.free.sum(axis=1) - share
-        after = np.where(host, small, total_after[:, None, None])
-        return _delta_score(self.before[:, None, :], after, shapes, scale)
-
-    def one_share_sparse(self, share: int, cpu_milli: int, shapes: ShapeArrays, scale: float) -> IntArray:
-        """`one_share` for many rows: only cards that can take the share, each (row, milli free) once; −1 on the
-        other cards. An idle 8-card node is one evaluation instead of eight."""
         rows, cards = np.nonzero(self.usable & (self.free >= share))
         out = np.full(self.free.shape, -1, np.int64)
         if not len(rows):
@@ -157,8 +137,9 @@ class _NodeClasses:
     LIMIT_PER_NODE = 4
     """Classes kept per node (at least 4,096) before the table starts over; a node's old states are dropped."""
 
-    def __init__(self, shapes: ShapeArrays, width: int) -> None:
+    def __init__(self, shapes: ShapeArrays, static: BoolArray, width: int) -> None:
         self.shapes = shapes
+        self.static_of_model = static
         self.width = width
         self.version = np.full(0, -1, np.int64)
         self.class_of = np.zeros(0, np.int64)
@@ -206,7 +187,7 @@ class _NodeClasses:
             found.append(cid)
         if fresh:
             self._add(_Terms.of_rows(milli[fresh], valid[fresh], mig[fresh], holders[fresh], cpu[fresh],
-                                     model[fresh], self.shapes))
+                                     self.static_of_model[model[fresh]], self.shapes))
         self.class_of[stale] = found
         self.version[stale] = state.node_version[stale]
 
@@ -239,6 +220,13 @@ SMALL_BATCH = 16
 """Up to this many nodes are scored from their own rows; more are grouped into classes first."""
 
 
+def _static_of_model(shapes: ShapeArrays) -> BoolArray:
+    """(models + 1, M): whether typical shape m can use a node of each card model and asks for a GPU share
+    (the last row: nodes without a GPU model, as `model_idx` −1 indexes it)."""
+    out: BoolArray = np.ascontiguousarray((shapes.model_ok & (shapes.milli > 0)[:, None]).T)
+    return out
+
+
 class FgdScore:
     name = "FGD"
     delta_scale = 1000.0
@@ -248,6 +236,7 @@ class FgdScore:
         self.typical = typical
         self._state_id = -1
         self._arrays: ShapeArrays | None = None
+        self._static = np.zeros((0, 0), np.bool_)
         self._node_classes: _NodeClasses | None = None
         self._caches: dict[tuple[object, ...], _Cache] = {}
 
@@ -255,6 +244,7 @@ class FgdScore:
     def _reset(self, state: ClusterState) -> ShapeArrays:
         self._state_id = state.uid
         self._arrays = ShapeArrays.build(self.typical, state)
+        self._static = _static_of_model(self._arrays)
         self._node_classes = None
         self._caches.clear()
         return self._arrays
@@ -268,7 +258,7 @@ class FgdScore:
         classes = self._node_classes
         if classes is None or classes.shapes is not shapes or classes.width != state.width \
                 or classes.full(state.size):
-            classes = self._node_classes = _NodeClasses(shapes, state.width)
+            classes = self._node_classes = _NodeClasses(shapes, self._static, state.width)
         return classes
 
     def observe(self, pod: PodRequest) -> None:
@@ -313,50 +303,93 @@ class FgdScore:
         A large batch (a pod shape's first score) is grouped into node classes (`_NodeClasses`), so nodes in
         equal states are computed once.
         """
+        gpu = pod.gpu
+        if gpu is None and not pod.cpu_milli:
+            return np.full(len(nodes), 100, np.int64), np.full(len(nodes), -1, np.int64)
+        if len(nodes) <= SMALL_BATCH:
+            return self._compute_rows(pod, state, nodes, shapes, card_ok)
+        return self._compute_classes(pod, state, nodes, shapes, card_ok)
+
+    def _compute_rows(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+                      card_ok: BoolArray | None) -> tuple[IntArray, IntArray]:
+        """A few nodes: F_n(m) of each node as it is and as it would be, in one `_shape_terms` call (a share:
+        k + k·W rows, one per card it could go to), since few rows cost what the number of numpy calls costs."""
         scale = self.delta_scale
         gpu = pod.gpu
-        none = np.full(len(nodes), -1, np.int64)
-        if gpu is None and not pod.cpu_milli:
-            return np.full(len(nodes), 100, np.int64), none
-        inverse: IntArray | None = None
-        if len(nodes) <= SMALL_BATCH:
-            terms = _Terms.of_nodes(state, nodes, shapes)
-        else:
-            uniq, inverse = np.unique(self._classes(state, shapes).of(state, nodes), return_inverse=True)
-            terms = self._classes(state, shapes).terms(uniq)
+        usable = state.card_valid[nodes] & ~state.card_mig[nodes]
+        free = np.where(usable, state.card_milli_free[nodes], 0)
+        cpu = state.cpu_free[nodes]
+        static = self._static[state.model_idx[nodes]]
+        k, width = free.shape
         if isinstance(gpu, Fraction):
             d = gpu.compute_milli
-            if inverse is None:
-                per_class = terms.one_share(d, pod.cpu_milli, shapes, scale)
-                free, usable = terms.free, terms.usable
-            else:
-                per_class = terms.one_share_sparse(d, pod.cpu_milli, shapes, scale)
-                free, usable = terms.free[inverse], terms.usable[inverse]
-            fits = usable & (free >= d)
-            if card_ok is not None:
-                fits &= card_ok
-            elif gpu.memory_mib:
-                fits &= state.card_mem_free[nodes] >= gpu.memory_mib
-            per_card = np.where(fits, per_class if inverse is None else per_class[inverse], -1)
-            if gpu.count > 1:
-                # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
-                # take it; the score is the node's fragmentation change, and the picker chooses the cards.
-                best = np.argsort(-per_card, axis=1, kind="stable")[:, : gpu.count]
-                taken = np.zeros(free.shape, np.bool_)
-                np.put_along_axis(taken, best, True, axis=1)
-                taken &= fits
-                node_terms = terms if inverse is None else terms.take(inverse)
-                _, _, after = _shape_terms(free - d * taken, node_terms.cpu - pod.cpu_milli, node_terms.static,
-                                           shapes)
-                return _delta_score(node_terms.before, after, shapes, scale), none
-            card = np.argmax(per_card, axis=1)  # the first card with the best integer score
-            return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
+            after_free = (free[:, None, :] - d * np.eye(width, dtype=np.int64)).reshape(k * width, width)
+            _, _, per_shape = _shape_terms(np.concatenate([free, after_free]),
+                                           np.concatenate([cpu, np.repeat(cpu - pod.cpu_milli, width)]),
+                                           np.concatenate([static, np.repeat(static, width, axis=0)]), shapes)
+            before = per_shape[:k]
+            per_card = _delta_score(before[:, None, :], per_shape[k:].reshape(k, width, -1), shapes, scale)
+            return self._place_share(gpu, pod.cpu_milli, state, nodes, shapes, card_ok, usable, free, per_card,
+                                     lambda: (before, cpu, static))
+        after_free = free
+        if isinstance(gpu, WholeCards):
+            idle = (free == MILLI_PER_CARD) & (state.card_holders[nodes] == 0)
+            after_free = np.where(idle & (np.cumsum(idle, axis=1) <= gpu.count), 0, free)
+        _, _, per_shape = _shape_terms(np.concatenate([free, after_free]),
+                                       np.concatenate([cpu, cpu - pod.cpu_milli]),
+                                       np.concatenate([static, static]), shapes)
+        return _delta_score(per_shape[:k], per_shape[k:], shapes, scale), np.full(k, -1, np.int64)
+
+    def _compute_classes(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+                         card_ok: BoolArray | None) -> tuple[IntArray, IntArray]:
+        """Many nodes (a pod shape's first score): per node class (`_NodeClasses`), so nodes in equal states are
+        computed once, then spread back to the nodes."""
+        scale = self.delta_scale
+        gpu = pod.gpu
+        classes = self._classes(state, shapes)
+        uniq, inverse = np.unique(classes.of(state, nodes), return_inverse=True)
+        inverse = inverse.reshape(-1)
+        terms = classes.terms(uniq)
+        if isinstance(gpu, Fraction):
+            per_card = terms.one_share(gpu.compute_milli, pod.cpu_milli, shapes, scale)[inverse]
+
+            def node_terms() -> tuple[IntArray, IntArray, BoolArray]:
+                return terms.before[inverse], terms.cpu[inverse], terms.static[inverse]
+
+            return self._place_share(gpu, pod.cpu_milli, state, nodes, shapes, card_ok, terms.usable[inverse],
+                                     terms.free[inverse], per_card, node_terms)
         free = terms.free
         if isinstance(gpu, WholeCards):
             free = np.where(terms.idle & (np.cumsum(terms.idle, axis=1) <= gpu.count), 0, free)
         _, _, after = _shape_terms(free, terms.cpu - pod.cpu_milli, terms.static, shapes)
         scores = _delta_score(terms.before, after, shapes, scale)
-        return (scores if inverse is None else scores[inverse]), none
+        return scores[inverse], np.full(len(nodes), -1, np.int64)
+
+    def _place_share(self, gpu: Fraction, cpu_milli: int, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
+                     card_ok: BoolArray | None, usable: BoolArray, free: IntArray, per_card: IntArray,
+                     node_terms: Callable[[], tuple[IntArray, IntArray, BoolArray]]) -> tuple[IntArray, IntArray]:
+        """A share's node scores and cards from the score of the share on each card (`per_card`, k × W): cards
+        the filters or the free milli rule out score −1. `node_terms` gives (F_n(m) now, free CPU, static) of
+        the nodes, which a share on several cards needs."""
+        d = gpu.compute_milli
+        fits = usable & (free >= d)
+        if card_ok is not None:
+            fits &= card_ok
+        elif gpu.memory_mib:
+            fits &= state.card_mem_free[nodes] >= gpu.memory_mib
+        per_card = np.where(fits, per_card, -1)
+        if gpu.count > 1:
+            # A share on several cards: the `count` best cards alone (stable: lower index first on a tie)
+            # take it; the score is the node's fragmentation change, and the picker chooses the cards.
+            best = np.argsort(-per_card, axis=1, kind="stable")[:, : gpu.count]
+            taken = np.zeros(free.shape, np.bool_)
+            np.put_along_axis(taken, best, True, axis=1)
+            taken &= fits
+            before, cpu, static = node_terms()
+            _, _, after = _shape_terms(free - d * taken, cpu - cpu_milli, static, shapes)
+            return _delta_score(before, after, shapes, self.delta_scale), np.full(len(nodes), -1, np.int64)
+        card = np.argmax(per_card, axis=1)  # the first card with the best integer score
+        return per_card[np.arange(len(nodes)), card], card.astype(np.int64)
 
 
 class OnlineFgdScore(FgdScore):
