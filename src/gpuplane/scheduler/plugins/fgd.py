@@ -97,8 +97,8 @@ class _Terms:
                       self.small[rows], self.count[rows], self.before[rows])
 
     def one_share(self, share: int, cpu_milli: int, shapes: ShapeArrays, scale: float) -> IntArray:
-        """(k, W): the score of `share` milli more on each card that can take it (−1 on the others), each
-        (row, milli free) pair once, so an idle 8-card node is one evaluation instead of eight.
+        """(k, W): the score of `share` milli more on each card that can take it (−1 on the others); only those
+        cards are evaluated.
 
         Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
         and the big-card count move by card g alone: a card already too small for m loses d from the sum; a
@@ -108,20 +108,18 @@ class _Terms:
         out = np.full(self.free.shape, -1, np.int64)
         if not len(rows):
             return out
-        r = self.free[rows, cards]
-        _, first, inverse = np.unique(rows * (MILLI_PER_CARD + 1) + r, return_index=True, return_inverse=True)
-        pair_rows = rows[first]
+        r = self.free[rows, cards][:, None]  # (P, 1)
         d_m = shapes.milli
-        r_after = (r[first] - share)[:, None]  # (P, 1)
-        below = r[first][:, None] < d_m  # (P, M)
+        r_after = r - share
+        below = r < d_m  # (P, M)
         crossing = (r_after < d_m) & ~below
-        small = self.small[pair_rows] - share * below + np.where(crossing, r_after, 0)
-        count = self.count[pair_rows] - crossing
-        host = (count >= shapes.cards) & ((self.cpu[pair_rows] - cpu_milli)[:, None] >= shapes.cpu) \
-            & self.static[pair_rows]
-        total_after = self.free.sum(axis=1)[pair_rows] - share
+        small = self.small[rows] - share * below + np.where(crossing, r_after, 0)
+        count = self.count[rows] - crossing
+        host = (count >= shapes.cards) & ((self.cpu[rows] - cpu_milli)[:, None] >= shapes.cpu) \
+            & self.static[rows]
+        total_after = self.free.sum(axis=1)[rows] - share
         after = np.where(host, small, total_after[:, None])
-        out[rows, cards] = _delta_score(self.before[pair_rows], after, shapes, scale)[inverse.reshape(-1)]
+        out[rows, cards] = _delta_score(self.before[rows], after, shapes, scale)
         return out
 
 
@@ -220,6 +218,16 @@ SMALL_BATCH = 16
 """Up to this many nodes are scored from their own rows; more are grouped into classes first."""
 
 
+def _distinct(values: IntArray, bound: int) -> tuple[IntArray, IntArray]:
+    """`np.unique(values, return_inverse=True)` for values in [0, bound), by marking instead of sorting."""
+    present = np.zeros(bound, np.bool_)
+    present[values] = True
+    distinct = np.flatnonzero(present)
+    position = np.zeros(bound, np.int64)
+    position[distinct] = np.arange(len(distinct))
+    return distinct, position[values]
+
+
 def _static_of_model(shapes: ShapeArrays) -> BoolArray:
     """(models + 1, M): whether typical shape m can use a node of each card model and asks for a GPU share
     (the last row: nodes without a GPU model, as `model_idx` −1 indexes it)."""
@@ -275,7 +283,8 @@ class FgdScore:
             cache = _Cache(np.full(n, -1, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
                            np.zeros(n, np.float64))
             self._caches[key] = cache
-        stale = nodes[cache.version[nodes] != state.node_version[nodes]]
+        # One contiguous comparison over the cluster, then a look-up per asked node (cheaper than two gathers).
+        stale = nodes[(cache.version[:n] != state.node_version[:n])[nodes]]
         if len(stale):
             card_ok = cycle.find(CARD_OK)
             scores, cards = self._compute(pod, state, stale, shapes,
@@ -347,8 +356,7 @@ class FgdScore:
         scale = self.delta_scale
         gpu = pod.gpu
         classes = self._classes(state, shapes)
-        uniq, inverse = np.unique(classes.of(state, nodes), return_inverse=True)
-        inverse = inverse.reshape(-1)
+        uniq, inverse = _distinct(classes.of(state, nodes), classes.size)
         terms = classes.terms(uniq)
         if isinstance(gpu, Fraction):
             per_card = terms.one_share(gpu.compute_milli, pod.cpu_milli, shapes, scale)[inverse]
