@@ -214,7 +214,7 @@ def _row_bytes(rows: npt.NDArray[np.generic]) -> list[bytes]:
     return out
 
 
-SMALL_BATCH = 16
+SMALL_BATCH = 32
 """Up to this many nodes are scored from their own rows; more are grouped into classes first."""
 
 
@@ -321,25 +321,20 @@ class FgdScore:
 
     def _compute_rows(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
                       card_ok: BoolArray | None) -> tuple[IntArray, IntArray]:
-        """A few nodes: F_n(m) of each node as it is and as it would be, in one `_shape_terms` call (a share:
-        k + k·W rows, one per card it could go to), since few rows cost what the number of numpy calls costs."""
+        """A few nodes, from their own rows; at this size the cost is the number of numpy calls, not their size.
+        A share: the nodes' terms, then one evaluation per card that can take it. Otherwise F_n(m) of each node
+        as it is and as it would be, in one `_shape_terms` call over 2k rows."""
         scale = self.delta_scale
         gpu = pod.gpu
-        usable = state.card_valid[nodes] & ~state.card_mig[nodes]
-        free = np.where(usable, state.card_milli_free[nodes], 0)
         cpu = state.cpu_free[nodes]
         static = self._static[state.model_idx[nodes]]
-        k, width = free.shape
         if isinstance(gpu, Fraction):
-            d = gpu.compute_milli
-            after_free = (free[:, None, :] - d * np.eye(width, dtype=np.int64)).reshape(k * width, width)
-            _, _, per_shape = _shape_terms(np.concatenate([free, after_free]),
-                                           np.concatenate([cpu, np.repeat(cpu - pod.cpu_milli, width)]),
-                                           np.concatenate([static, np.repeat(static, width, axis=0)]), shapes)
-            before = per_shape[:k]
-            per_card = _delta_score(before[:, None, :], per_shape[k:].reshape(k, width, -1), shapes, scale)
-            return self._place_share(gpu, pod.cpu_milli, state, nodes, shapes, card_ok, usable, free, per_card,
-                                     lambda: (before, cpu, static))
+            terms = _Terms.of_rows(state.card_milli_free[nodes], state.card_valid[nodes], state.card_mig[nodes],
+                                   state.card_holders[nodes], cpu, static, shapes)
+            per_card = terms.one_share(gpu.compute_milli, pod.cpu_milli, shapes, scale)
+            return self._place_share(gpu, pod.cpu_milli, state, nodes, shapes, card_ok, terms.usable, terms.free,
+                                     per_card, lambda: (terms.before, cpu, static))
+        free = np.where(state.card_valid[nodes] & ~state.card_mig[nodes], state.card_milli_free[nodes], 0)
         after_free = free
         if isinstance(gpu, WholeCards):
             idle = (free == MILLI_PER_CARD) & (state.card_holders[nodes] == 0)
@@ -347,6 +342,7 @@ class FgdScore:
         _, _, per_shape = _shape_terms(np.concatenate([free, after_free]),
                                        np.concatenate([cpu, cpu - pod.cpu_milli]),
                                        np.concatenate([static, static]), shapes)
+        k = len(nodes)
         return _delta_score(per_shape[:k], per_shape[k:], shapes, scale), np.full(k, -1, np.int64)
 
     def _compute_classes(self, pod: PodRequest, state: ClusterState, nodes: IntArray, shapes: ShapeArrays,
