@@ -34,6 +34,7 @@ from gpuplane.model import (
 )
 from gpuplane.scheduler import PolicyConfig, default_registry
 from gpuplane.scheduler.framework import BoolArray, IntArray
+from gpuplane.scheduler.plugins import fgd
 from gpuplane.scheduler.plugins.fgd import FgdScore
 from gpuplane.scheduler.plugins.frag import ShapeArrays, TypicalPods, fragmentation, sigmoid_score
 from gpuplane.sim import bundled_path, load_nodes, load_pods
@@ -202,4 +203,24 @@ def test_fast_scoring_decides_as_the_old_on_a_mixed_cluster(monkeypatch: pytest.
     placed = [d for d in old if d[1]]
     assert len(placed) > 200
     assert any("+" in cards for _, _, cards in placed)  # some share went on two cards
+    assert new == old, first_difference(new, old)
+
+
+@pytest.mark.parametrize(("small_batch", "start_over"), [
+    (0, False),  # every batch through the node classes
+    (10**9, False),  # every batch from the nodes' own rows
+    (0, True),  # the class table starts over at every score (as when it reaches its size bound)
+], ids=["classes-only", "rows-only", "classes-start-over"])
+def test_either_scoring_path_decides_as_the_old(monkeypatch: pytest.MonkeyPatch, small_batch: int,
+                                                start_over: bool) -> None:
+    pods = mixed_workload(600, 5)
+    with monkeypatch.context() as patch:
+        patch.setattr(fgd, "SMALL_BATCH", small_batch)
+        if start_over:
+            patch.setattr(fgd._NodeClasses, "full", lambda self, nodes: True)
+        new = replay(mixed_cluster(), pods, "fgd-plus", 5)
+    with monkeypatch.context() as patch:
+        patch.setattr(FgdScore, "_compute", reference_compute)
+        old = replay(mixed_cluster(), pods, "fgd-plus", 5)
+    assert len([d for d in old if d[1]]) > 200
     assert new == old, first_difference(new, old)
