@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
             make = dra_scheduler
         mode = make(api, profile, catalog=catalog, seed=seed, pools=pool_table, scheduler_name=scheduler_name,
                     elector=elector, clock=clock, bind_workers=0 if sync_binds else bind_workers, identity=holder,
-                    metrics=metrics)
+                    metrics=metrics, freeze_gc=True)  # the process is the scheduler's alone
         logging.getLogger(__name__).info("gpuplane scheduler %r (%s, seed %d, %s)", scheduler_name, profile.name,
                                          seed, "leader election on " + f"{lease_namespace}/{lease_name}"
                                          if leader_elect else "no leader election")

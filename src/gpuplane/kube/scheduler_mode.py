@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib
 import logging
 import queue
@@ -568,6 +569,12 @@ class SchedulerMode:
     (`gpuplane_leader{component="scheduler"}`) at every tick; while leading, the cluster's observer (over
     the scheduler's own pods, `OwnPods`; `clock` is its clock, epoch seconds as the API's timestamps), the
     scheduler's preemption and gang counts, and every decision, timed per pass. None: no metrics.
+
+    `freeze_gc`: once a term's first lists are read and its scheduler built, collect once and move every object
+    then alive out of the cycle collector's reach (`gc.freeze`), until the term ends (`gc.unfreeze`). The caches
+    of a large cluster (a thousand DRA nodes' ResourceSlices are millions of objects) live as long as the term;
+    left in, every full collection walks them all, a pause of seconds on the deciding thread at a thousand DRA
+    nodes. Leave it off where the process is shared (tests run several schedulers in one process).
     """
 
     def __init__(self, api: KubeApi, profile: Profile, *, catalog: Catalog | None = None, seed: int = 0,
@@ -575,8 +582,10 @@ class SchedulerMode:
                  scheduler_name: str = DEFAULT_SCHEDULER_NAME, elector: LeaseElector | None = None,
                  clock: Clock | None = None, bind_workers: int = 4, identity: str = "gpuplane",
                  declarations: DeclarationsFactory = default_declarations,
-                 cluster_factory: ClusterFactory | None = None, metrics: PlaneMetrics | None = None) -> None:
+                 cluster_factory: ClusterFactory | None = None, metrics: PlaneMetrics | None = None,
+                 freeze_gc: bool = False) -> None:
         self.api = api
+        self.freeze_gc = freeze_gc
         self.metrics = metrics
         self.profile = profile
         self.catalog = catalog if catalog is not None else default_catalog()
@@ -709,6 +718,9 @@ class SchedulerMode:
             self._on_deferred, observer)
         self._written.clear()
         self._term = _Term(cluster, declarations, lanes, port, scheduler, preemption, observer)
+        if self.freeze_gc:
+            gc.collect()
+            gc.freeze()
         log.info("scheduler %s: %d nodes, %d pods queued, %d waiting for their PodGroup", self.scheduler_name,
                  scheduler.state.size, len(scheduler.queue), len(port.waiting_for_group))
         return True
@@ -726,6 +738,8 @@ class SchedulerMode:
         term.port.close()
         term.declarations.stop()
         term.cluster.close()
+        if self.freeze_gc:
+            gc.unfreeze()  # the term's caches are garbage now: let the collector see them
 
     def _apply_declarations(self, term: _Term) -> None:
         quotas = term.declarations.quotas()

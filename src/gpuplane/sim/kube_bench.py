@@ -15,6 +15,7 @@ from several threads. What that reaches is the most any scheduler could get thro
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -69,6 +70,11 @@ def _serve(nodes: int, conn: Connection, dra: SlicesOf | None = None) -> None:
     server.start()
     if dra is not None:  # the node agents' ResourceSlices and the DeviceClasses (`gpuplane.sim.dra_bench`)
         publish_dra(server.api, bench_nodes(nodes), dra)
+    # What was set up lives as long as the server: out of the cycle collector's reach, or every full collection
+    # walks it (a thousand DRA nodes' slices, with their history, are millions of objects: pauses of seconds in
+    # the middle of a run, a cost of this Python stand-in, not of an API server).
+    gc.collect()
+    gc.freeze()
     conn.send(server.url)
     while True:
         command = conn.recv()
