@@ -290,10 +290,14 @@ class Ask:
         return self.request, self.class_name, self.selectors, self.kind, self.profile
 
 
+def _content(asks: Sequence[Ask]) -> tuple[Any, ...]:
+    """What of the asks decides a placement: all but their claims' names."""
+    return tuple((a.selection, a.count, a.memory_mib, a.compute_milli) for a in asks)
+
+
 def _digest(asks: Sequence[Ask]) -> str:
     """The asks without their claims' names: pods asking alike share it (and the core's memory of failures)."""
-    content = tuple((a.selection, a.count, a.memory_mib, a.compute_milli) for a in asks)
-    return hashlib.sha1(repr(content).encode()).hexdigest()[:16]
+    return hashlib.sha1(repr(_content(asks)).encode()).hexdigest()[:16]
 
 
 CODE_PASS, CODE_NOT_DRA, CODE_NO_KIND, CODE_TAINTED = 0, 1, 2, 3
@@ -326,6 +330,12 @@ class DraBook:
         self._dra_rows: dict[tuple[int, int, int], BoolArray] = {}
         self._splits: dict[tuple[int, int, int], np.ndarray] = {}
         self._spec_asks: dict[tuple[str, int, int], list[Ask] | ObjectError] = {}
+        self._claim_asks: dict[str, tuple[Any, int, int, list[Ask] | ObjectError]] = {}
+        """claim → (its `spec.devices`, pool and class versions, its asks): a claim's spec does not change (the
+        API refuses it), so each is read once, not at each of its pods' reads (two a pod: created, bound)."""
+        self._digests: dict[tuple[Any, ...], str] = {}
+        self._models: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._masks: dict[tuple[Any, ...], tuple[tuple[str, BoolArray], ...]] = {}
         self.class_version = 0
 
     # -------------------------------------------------------------- pools
@@ -359,6 +369,7 @@ class DraBook:
             if before != pool:
                 self.version += 1
                 self._matrices.clear()
+                self._masks.clear()
                 self._dra_rows.clear()
                 self._splits.clear()
                 return node
@@ -367,6 +378,15 @@ class DraBook:
     def pool(self, node: str) -> NodePool | None:
         with self.lock:
             return self.pools.get(node)
+
+    def models(self) -> frozenset[str]:
+        """The canonical card models of the pools (read once per version of the pools)."""
+        with self.lock:
+            version, models = self._models
+            if version != self.version:
+                models = frozenset(p.model for p in self.pools.values())
+                self._models = (self.version, models)
+            return models
 
     # -------------------------------------------------------------- verdicts
     def _class_selectors(self, name: str, obj: str) -> tuple[str, ...]:
@@ -463,9 +483,37 @@ class DraBook:
     # -------------------------------------------------------------- asks of a claim
     def read_asks(self, claim: Mapping[str, Any]) -> list[Ask]:
         """The claim's requests as asks; `ObjectError` naming the field for one gpuplane cannot allocate.
-        Claims of the same spec (a template's) are read once per version of the pools and classes."""
+        Each claim is read once per version of the pools and classes (its status writes leave its asks as they
+        were), and claims of the same spec (a template's) share one reading."""
         key = object_key(claim)
-        spec_key = (repr((claim.get("spec") or {}).get("devices")), self.version, self.class_version)
+        devices = (claim.get("spec") or {}).get("devices")
+        with self.lock:
+            known = self._claim_asks.get(key)
+            if known is not None and known[1] == self.version and known[2] == self.class_version \
+                    and known[0] == devices:
+                asks = known[3]
+            else:
+                asks = None
+        if asks is None:
+            try:
+                asks = self._read_spec_asks(claim, key, devices)
+            except ObjectError as exc:
+                asks = exc
+            with self.lock:
+                if len(self._claim_asks) > 65536:
+                    self._claim_asks.clear()
+                self._claim_asks[key] = (devices, self.version, self.class_version, asks)
+        if isinstance(asks, ObjectError):  # a new one each time: a raised exception keeps its traceback
+            raise ObjectError(asks.obj, asks.field, str(asks)[len(asks.obj) + len(asks.field) + 4:])
+        return list(asks)
+
+    def forget_claim(self, key: str) -> None:
+        """Drop a deleted claim's reading."""
+        with self.lock:
+            self._claim_asks.pop(key, None)
+
+    def _read_spec_asks(self, claim: Mapping[str, Any], key: str, devices: Any) -> list[Ask]:
+        spec_key = (repr(devices), self.version, self.class_version)
         with self.lock:
             known = self._spec_asks.get(spec_key)
         if known is None:
@@ -586,10 +634,36 @@ class DraBook:
         return min(candidates, key=lambda n: (candidates[n], n))
 
     def register(self, asks: Sequence[Ask]) -> str:
-        digest = _digest(asks)
+        content = _content(asks)
         with self.lock:
+            digest = self._digests.get(content)
+            if digest is None:
+                digest = _digest(asks)
+                if len(self._digests) > 4096:
+                    self._digests.clear()
+                self._digests[content] = digest
             self.asks[digest] = tuple(asks)
         return digest
+
+    def masks(self, ask: Ask, state: ClusterState) -> tuple[tuple[str, BoolArray], ...]:
+        """`DraFilter`'s card checks of `ask` over the state's nodes, as (reason, cards passing), computed once
+        per matrix (the same pools, the same nodes), not once per pod."""
+        key = (ask.selection, id(state.node_index), state.size, self.version)
+        with self.lock:
+            cached = self._masks.get(key)
+            if cached is not None:
+                return cached
+            codes = self.matrix(ask, state)
+            label = ask.label()
+            out = [(f"cannot allocate {label}: no device of its class on the card", codes != CODE_NO_KIND)]
+            out.extend((f"cannot allocate {label}: no device matches selector `{expression}`",
+                        codes != CODE_SELECTOR + i) for i, expression in enumerate(ask.selectors))
+            out.append((f"cannot allocate {label}: the matching devices are tainted", codes != CODE_TAINTED))
+            masks = tuple(out)
+            if len(self._masks) > 256:
+                self._masks.clear()
+            self._masks[key] = masks
+            return masks
 
 
 def _profile_name(device: PoolDevice) -> str | None:
@@ -646,18 +720,11 @@ class DraFilter:
         yield NodeCheck(f"node(s) had no ResourceSlices of driver {self.book.driver}", self.book.dra_rows(state),
                         resolvable=False)
         for ask in asks:
-            codes = self.book.matrix(ask, state)
-            label = ask.label()
-            yield CardCheck(f"cannot allocate {label}: no device of its class on the card", codes != CODE_NO_KIND,
-                            resolvable=False)
-            for i, expression in enumerate(ask.selectors):
-                yield CardCheck(f"cannot allocate {label}: no device matches selector `{expression}`",
-                                codes != CODE_SELECTOR + i, resolvable=False)
-            yield CardCheck(f"cannot allocate {label}: the matching devices are tainted", codes != CODE_TAINTED,
-                            resolvable=False)
+            for reason, passing in self.book.masks(ask, state):
+                yield CardCheck(reason, passing, resolvable=False)
             if ask.kind is DeviceKind.VGPU:
                 split = self.book.split_of(state)
-                yield CardCheck(f"cannot allocate {label}: the card's vGPU device has no share left",
+                yield CardCheck(f"cannot allocate {ask.label()}: the card's vGPU device has no share left",
                                 state.card_holders[:n] < split[:, None])
 
 
@@ -812,6 +879,7 @@ class DraKubeCluster(KubeCluster):
         with self.book.lock:
             if new is None:
                 self.book.claims.pop(key, None)
+                self.book.forget_claim(key)
             else:
                 self.book.claims[key] = new
         reserved = set(_reserved(current)) if new is not None else set()
@@ -905,7 +973,7 @@ class DraKubeCluster(KubeCluster):
                 NodeSelectorTerm(t.expressions, (*t.fields, *pinned.fields)) for t in base.required_terms)
             return dataclasses.replace(base, labels=labels, required_terms=terms)
         form = gpu_form(use.asks, obj)
-        model = self.book.pools and {p.model for p in self.book.pools.values()}
+        model = self.book.models()
         models = base.models
         if isinstance(form, MigSlice) and model:
             having = frozenset(m for m in model if self.catalog.get(m).mig_profile(form.profile) is not None)
