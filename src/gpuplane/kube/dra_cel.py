@@ -22,6 +22,7 @@ handful of times, not once per card (the UUID, index and NUMA node that differ b
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from decimal import Decimal
@@ -88,9 +89,15 @@ _WHOLE_MAP = re.compile(r"\b(exists|exists_one|all|map|filter|size|in|has)\b")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+@functools.lru_cache(maxsize=4096)
+def _words(expression: str) -> frozenset[str] | None:
+    """The names the expression can read (None: all of the device, it iterates or sizes a map)."""
+    return None if _WHOLE_MAP.search(expression) else frozenset(_WORD.findall(expression))
+
+
 def _project(expression: str, device: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[Any, ...]]:
     """(what of `device` the expression can read, a hashable key of it)."""
-    words = None if _WHOLE_MAP.search(expression) else set(_WORD.findall(expression))
+    words = _words(expression)
 
     def keep(name: str) -> bool:
         return words is None or name.rpartition("/")[2] in words
