@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from builders import node, pod
+from builders import cluster, node, pod
 from gpuplane.model import (
     MILLI_PER_CARD,
+    Assignment,
+    CardShare,
     ClusterState,
     Fraction,
     MigMode,
@@ -32,10 +34,11 @@ from gpuplane.model import (
     WholeCards,
     default_catalog,
 )
-from gpuplane.scheduler import PolicyConfig, default_registry
+from gpuplane.scheduler import CycleState, Framework, PolicyConfig, default_registry
 from gpuplane.scheduler.framework import BoolArray, IntArray
 from gpuplane.scheduler.plugins import fgd
-from gpuplane.scheduler.plugins.fgd import FgdScore
+from gpuplane.scheduler.plugins.fgd import FGD_CARD, FgdScore
+from gpuplane.scheduler.plugins.fgd_plus import FgdPlusScore
 from gpuplane.scheduler.plugins.frag import ShapeArrays, TypicalPods, fragmentation, sigmoid_score
 from gpuplane.sim import bundled_path, load_nodes, load_pods
 from gpuplane.sim.replay import run_fill
@@ -170,7 +173,8 @@ def mixed_cluster() -> list[NodeSpec]:
 
 
 def mixed_workload(count: int, seed: int) -> list[PodRequest]:
-    """Shares on one and on two cards (some asking memory), whole cards, MIG slices, model constraints, CPU only."""
+    """Shares on one and on two cards (some asking memory, up to most of a T4, so memory rules out cards that
+    have compute left), whole cards, MIG slices, model constraints, CPU only."""
     rng = np.random.default_rng(seed)
     pods: list[PodRequest] = []
     for i in range(count):
@@ -179,7 +183,7 @@ def mixed_workload(count: int, seed: int) -> list[PodRequest]:
         builder = pod(f"p{i:04d}").cpu(cpu)
         milli = int(rng.choice([100, 250, 300, 500, 700]))
         if kind <= 2:
-            builder = builder.fraction(milli, mem=int(rng.choice([0, 0, 4000])))
+            builder = builder.fraction(milli, mem=int(rng.choice([0, 0, 4000, 12000])))
         elif kind == 3:
             pods.append(PodRequest(f"p{i:04d}", cpu_milli=cpu, gpu=Fraction(compute_milli=milli, count=2)))
             continue
@@ -224,3 +228,33 @@ def test_either_scoring_path_decides_as_the_old(monkeypatch: pytest.MonkeyPatch,
         old = replay(mixed_cluster(), pods, "fgd-plus", 5)
     assert len([d for d in old if d[1]]) > 200
     assert new == old, first_difference(new, old)
+
+
+def test_a_node_whose_filters_rule_out_a_card_its_class_could_take_is_placed_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 40 nodes of 8 A100-40GB, each with 100 milli used on card 0 (900 free), so all share one class. On the
+    # even nodes that share also holds 38,000 MiB, so a share asking 10,000 MiB cannot go on card 0 there:
+    # the filters (CARD_OK) rule out a card the class could take, and those nodes must not decide as the class.
+    # M is one whole-card shape, so card 0 (900 → 600, no idle card broken) is the class's best card.
+    state = cluster(*(node(f"n{i}").gpus(8).obj() for i in range(40)))
+    for i in range(40):
+        state.place(pod(f"u{i}").fraction(100, mem=38_000 if i % 2 == 0 else 0).obj(),
+                    Assignment(f"n{i}", (CardShare(0, 100, 38_000 if i % 2 == 0 else 0),)))
+    typical = TypicalPods(((1000, 1000, 1, None),), np.array([1.0]))
+    request = pod("p").cpu(1000).fraction(300, mem=10_000).obj()
+    profile = default_registry().build(PolicyConfig(node_policy="fgd-plus", typical=typical))
+    nodes = np.arange(state.size)
+
+    def scored() -> tuple[list[float], list[int]]:
+        cycle = CycleState()
+        alive, _ = Framework(profile, np.random.default_rng(0)).find_nodes(cycle, request, state)
+        assert alive.all()
+        got = FgdPlusScore(typical).score(cycle, request, state, nodes)
+        return got.tolist(), cycle.read(FGD_CARD)[nodes].tolist()
+
+    new_scores, new_cards = scored()
+    with monkeypatch.context() as patch:
+        patch.setattr(FgdScore, "_compute", reference_compute)
+        old_scores, old_cards = scored()
+    assert (new_scores, new_cards) == (old_scores, old_cards)
+    assert set(new_cards[0::2]) == {1} and set(new_cards[1::2]) == {0}  # the memory-held card is skipped

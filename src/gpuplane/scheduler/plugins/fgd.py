@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gpuplane.model import MILLI_PER_CARD, CardShare, ClusterState, Fraction, PodRequest, WholeCards
+from gpuplane.model.cluster import row_any
 from gpuplane.scheduler.framework import CARD_OK, BoolArray, CardPick, CycleState, FloatArray, IntArray, StateKey
 from gpuplane.scheduler.plugins.cards import CardOrder, OrderedCardPicker
 from gpuplane.scheduler.plugins.frag import Shape, ShapeArrays, TypicalPods, pod_shape, sigmoid_score
@@ -355,13 +356,32 @@ class FgdScore:
         uniq, inverse = _distinct(classes.of(state, nodes), classes.size)
         terms = classes.terms(uniq)
         if isinstance(gpu, Fraction):
-            per_card = terms.one_share(gpu.compute_milli, pod.cpu_milli, shapes, scale)[inverse]
+            d = gpu.compute_milli
+            per_class = terms.one_share(d, pod.cpu_milli, shapes, scale)
+            if gpu.count == 1:
+                # A node whose filters allow every card its class could take decides as its class; only the
+                # others (a card ruled out by memory, a card policy, ...) are placed one by one.
+                card = np.argmax(per_class, axis=1)
+                score, chosen = per_class[np.arange(len(uniq)), card][inverse], card[inverse]
+                possible = (terms.usable & (terms.free >= d))[inverse]
+                if card_ok is not None:
+                    odd = np.flatnonzero(row_any(possible & ~card_ok))
+                elif gpu.memory_mib:
+                    odd = np.flatnonzero(row_any(possible & (state.card_mem_free[nodes] < gpu.memory_mib)))
+                else:
+                    odd = np.zeros(0, np.int64)
+                if len(odd):
+                    score[odd], chosen[odd] = self._place_share(
+                        gpu, pod.cpu_milli, state, nodes[odd], shapes, None if card_ok is None else card_ok[odd],
+                        terms.usable[inverse[odd]], terms.free[inverse[odd]], per_class[inverse[odd]],
+                        lambda: (terms.before[inverse[odd]], terms.cpu[inverse[odd]], terms.static[inverse[odd]]))
+                return score, chosen.astype(np.int64)
 
             def node_terms() -> tuple[IntArray, IntArray, BoolArray]:
                 return terms.before[inverse], terms.cpu[inverse], terms.static[inverse]
 
             return self._place_share(gpu, pod.cpu_milli, state, nodes, shapes, card_ok, terms.usable[inverse],
-                                     terms.free[inverse], per_card, node_terms)
+                                     terms.free[inverse], per_class[inverse], node_terms)
         free = terms.free
         if isinstance(gpu, WholeCards):
             free = np.where(terms.idle & (np.cumsum(terms.idle, axis=1) <= gpu.count), 0, free)
