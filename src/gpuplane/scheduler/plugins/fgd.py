@@ -35,7 +35,6 @@ FGD_CARD: StateKey[IntArray] = StateKey("fgd/card")
 @dataclass(slots=True)
 class _Cache:
     version: IntArray
-    score: IntArray
     card: IntArray
     value: FloatArray
     """What `score` returns: the FGD score plus the variant's node terms (`_with_node_terms`)."""
@@ -102,8 +101,8 @@ class _Terms:
         cards are evaluated.
 
         Taking d from card g changes only R(g) and the CPU, so for each typical shape m the small-card sum
-        and the big-card count move by card g alone: a card already too small for m loses d from the sum; a
-        card that drops below d_m adds R(g) − d to it and leaves the count.
+        and the big-card count move by card g alone: a card already too small for m takes d off the sum; a card
+        that drops below d_m adds R(g) − d to the sum and leaves the count.
         """
         rows, cards = np.nonzero(self.usable & (self.free >= share))
         out = np.full(self.free.shape, -1, np.int64)
@@ -281,8 +280,7 @@ class FgdScore:
         key = (pod.cpu_milli, pod.memory_mib, pod.gpu, pod.models)
         cache = self._caches.get(key)
         if cache is None or len(cache.version) < n:
-            cache = _Cache(np.full(n, -1, np.int64), np.zeros(n, np.int64), np.full(n, -1, np.int64),
-                           np.zeros(n, np.float64))
+            cache = _Cache(np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.float64))
             self._caches[key] = cache
         # One contiguous comparison over the cluster, then a look-up per asked node (cheaper than two gathers).
         stale = nodes[(cache.version[:n] != state.node_version[:n])[nodes]]
@@ -290,7 +288,6 @@ class FgdScore:
             card_ok = cycle.find(CARD_OK)
             scores, cards = self._compute(pod, state, stale, shapes,
                                           card_ok[stale] if card_ok is not None else None)
-            cache.score[stale] = scores
             cache.card[stale] = cards
             cache.value[stale] = self._with_node_terms(state, stale, scores)
             cache.version[stale] = state.node_version[stale]
