@@ -1,7 +1,6 @@
 """What keeps the DRA path's cost per pod down (issue 21's throughput, docs/dra.md): a claim is read once, not at
 each of its pods' reads (its status writes leave its asks as they were); the pools' models, the asks' digests and
-`DraFilter`'s card masks are computed once per version of the pools, not per pod; an informer does not hand its
-handlers again a state it already holds (our own write's answer, then the watch event of it); and the scheduler
+`DraFilter`'s card masks are computed once per version of the pools, not per pod; and the scheduler
 process keeps its long-lived caches out of the cycle collector's reach while a term lasts."""
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from typing import Any
 import pytest
 
 from gpuplane.kube.api import JsonObject
-from gpuplane.kube.dra import SLICES, DraBook, DraFilter, claim_manifest
-from gpuplane.kube.informer import ADDED, MODIFIED, Informer
+from gpuplane.kube.dra import DraBook, DraFilter, claim_manifest
 from gpuplane.kube.localapi import FakeApiServer
 from gpuplane.kube.objects import ObjectError
 from gpuplane.kube.scheduler_mode import SchedulerMode
@@ -149,27 +147,6 @@ def test_the_digest_of_asks_alike_is_one(book: DraBook) -> None:
     c = book.read_asks(_claim("c", WholeCards(1)))
     assert book.register(a) == book.register(b) != book.register(c)
     assert book.asks[book.register(b)][0].claim == "ns/b"
-
-
-class _NoApi:
-    """An informer's API that is never called (the tests feed it events)."""
-
-
-def test_an_informer_does_not_hand_a_state_it_holds_to_its_handlers_again() -> None:
-    informer = Informer(_NoApi(), SLICES)  # type: ignore[arg-type]
-    seen: list[tuple[str, str]] = []
-    informer.add_handler(lambda kind, old, new: seen.append((kind, (new or old or {})["metadata"]["resourceVersion"])))
-
-    def obj(rv: str) -> JsonObject:
-        return {"metadata": {"name": "c", "namespace": "ns", "resourceVersion": rv}}
-
-    informer.apply(ADDED, obj("5"))
-    informer.offer(obj("6"))  # the answer to our own write
-    informer.apply(MODIFIED, obj("6"))  # the watch brings the same state: no change
-    informer.apply(MODIFIED, obj("5"))  # older: no change
-    informer.apply(MODIFIED, obj("7"))
-    assert seen == [(ADDED, "5"), (MODIFIED, "6"), (MODIFIED, "7")]
-    assert informer.get("ns/c") == obj("7")
 
 
 @pytest.fixture

@@ -5,8 +5,7 @@ adds, updates and deletes), then watch from the list's resourceVersion. A watch 
 timeout) is reopened at once from the last resourceVersion seen; a broken one is reopened after a back-off;
 a 410 Gone (the history was compacted) means relist. Handlers get `(type, old, new)`: ADDED with old None,
 MODIFIED, DELETED with new None; they run on the informer's thread (or the thread that calls `assume`), one
-change at a time, in the order the cache changed. An event at the resourceVersion the cache already holds is
-no change (the answer to our own write, `offer`ed, then brought again by the watch): handlers do not see it.
+change at a time, in the order the cache changed.
 """
 
 from __future__ import annotations
@@ -148,12 +147,8 @@ class Informer:
                     del self._cache[key]
                     self._notify(DELETED, old, None)
                 return
-            if old is not None:
-                held_rv, new_rv = resource_version(old), resource_version(obj)
-                if held_rv > new_rv >= 0:
-                    return  # older than what we hold (an assumed write the server has since overtaken)
-                if held_rv == new_rv >= 0:
-                    return  # the state we hold already (a write's answer, offered, that the watch now brings)
+            if old is not None and resource_version(old) > resource_version(obj) >= 0:
+                return  # older than what we hold (an assumed write the server has since overtaken)
             self._cache[key] = obj
             self._notify(MODIFIED if old is not None else ADDED, old, obj)
 
