@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,13 +19,15 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from gpuplane.cli.operator_cmd import DEFAULT_LOAD_QUERY, PrometheusLoad, register
+from gpuplane.controllers.accounting import NoReader, read_ledger
 from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNOTATION, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
-from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL
-from gpuplane.kube.operator import HealthServer, Operator, run_operator
+from gpuplane.kube.objects import POOL_LABEL, WORKLOAD_LABEL, assignment_annotations
+from gpuplane.kube.operator import HealthServer, LedgerSettings, Operator, run_operator
+from gpuplane.model import MILLI_PER_CARD, Assignment, CardShare, default_catalog
 from gpuplane.port import Timer
 from gpuplane.port.clock import WallClock
 from gpuplane.port.metrics import PlaneMetrics
@@ -34,6 +37,9 @@ from test_scaler_prometheus import EMPTY, StubPrometheus, vector
 MIDNIGHT = 1_764_374_400.0  # 2025-11-29T00:00:00Z
 HOUR = 3600.0
 CRS = "/apis/gpuplane.io/v1alpha1"
+
+
+CATALOG = default_catalog()
 
 
 class VirtualClock:
@@ -79,13 +85,14 @@ def populate(server: FakeApiServer) -> None:
     server.add_object(f"{CRS}/namespaces/ml/tidalpolicies", tidal_policy())
 
 
-def operator(server: FakeApiServer, clock: VirtualClock, identity: str, prometheus: str | None = None) -> Operator:
+def operator(server: FakeApiServer, clock: VirtualClock, identity: str, prometheus: str | None = None,
+             ledger: LedgerSettings | None = None) -> Operator:
     api = RestKubeApi.from_url(server.url, request_timeout_s=10)
     # Durations longer than the virtual jumps between ticks (at most 8 h here), so leadership holds across them.
     config = LeaseConfig("gpuplane-system", "gpuplane-operator", identity, lease_duration_s=12 * HOUR,
                          renew_deadline_s=10 * HOUR, retry_period_s=60)
     load = None if prometheus is None else PrometheusLoad(PrometheusClient(prometheus), DEFAULT_LOAD_QUERY)
-    return Operator(api, LeaseElector(api, config, clock.now), clock, load=load)
+    return Operator(api, LeaseElector(api, config, clock.now), clock, load=load, ledger=ledger)
 
 
 def wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -305,6 +312,38 @@ def test_the_follower_takes_over_when_the_leader_shuts_down(server: FakeApiServe
     finally:
         b.shutdown()
 
+
+
+def test_only_the_leader_books_the_ledger_and_a_handover_books_nothing_twice(server: FakeApiServer,
+                                                                            tmp_path: Path) -> None:
+    """Two replicas share one ledger file (a volume both mount); `train` holds card 0 of tidal-1 all along.
+    a leads from 23:00 and samples every 10 minutes; b, the follower, books nothing. a samples at 23:15 and shuts
+    down at once (nothing left open); b takes the released Lease at 23:24, samples at 23:54 and shuts down:
+    15 + 30 = 45 minutes of one card, in intervals that do not overlap, the 9 minutes without a leader unbooked."""
+    card = CardShare(0, MILLI_PER_CARD, CATALOG.get("A100-40GB").memory_mib, 0, 0, whole=True)
+    server.add_pod(pod_json("train", namespace="ml", limits={"gpuplane.io/gpu": "1"}, node="tidal-1",
+                            phase="Running", annotations=assignment_annotations(Assignment("tidal-1", (card,)), 0.0)))
+    settings = LedgerSettings(tmp_path / "ledger.jsonl", NoReader(), sample_s=600.0)
+    clock = VirtualClock(MIDNIGHT + 23.0 * HOUR)
+    a, b = operator(server, clock, "a", ledger=settings), operator(server, clock, "b", ledger=settings)
+    a.tick()
+    b.tick()
+    assert a.leading and not b.leading and b.ledger is None
+    clock.at(23.25)
+    a.tick()  # 15 min ≥ 10: a sample books 23:00-23:15
+    b.tick()
+    a.shutdown()  # at 23:15 too: nothing more to book
+    clock.at(23.4)
+    b.tick()  # takes the released Lease at 23:24
+    assert b.leading and b.ledger is not None
+    clock.at(23.9)
+    b.tick()  # a sample books 23:24-23:54
+    b.shutdown()
+    mine = sorted((x for x in read_ledger(settings.path) if x.pod == "ml/train"), key=lambda x: x.start)
+    spans = [(round((x.start - MIDNIGHT) / HOUR, 6), round((x.end - MIDNIGHT) / HOUR, 6)) for x in mine]
+    assert spans == [(23.0, 23.25), (23.4, 23.9)]
+    assert all(x.gpu_milli == MILLI_PER_CARD and x.node == "tidal-1" for x in mine)
+    assert sum(x.end - x.start for x in mine) == pytest.approx(0.75 * HOUR)
 
 # ------------------------------------------------------------------ invalid resources
 def test_an_invalid_resource_gets_a_condition_naming_the_field_and_is_not_applied(server: FakeApiServer) -> None:

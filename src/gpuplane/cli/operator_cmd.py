@@ -137,6 +137,13 @@ def register(app: typer.Typer) -> None:
             help="PromQL for one service's load in requests/s; $namespace and $service are substituted")
         ] = DEFAULT_LOAD_QUERY,
         prometheus_timeout: Annotated[float, typer.Option(min=0.001, help="seconds per Prometheus query")] = 2.0,
+        ledger: Annotated[Path | None, typer.Option(
+            help="also book every pod's cards into this accounting ledger while leading (docs/accounting.md; a "
+                 "volume every replica mounts), utilisation from --prometheus's dcgm-exporter series")] = None,
+        ledger_metric: Annotated[str, typer.Option(help="DCGM_FI_DEV_GPU_UTIL or DCGM_FI_PROF_SM_ACTIVE")
+                                 ] = "DCGM_FI_DEV_GPU_UTIL",
+        ledger_sample_s: Annotated[float, typer.Option(min=1.0, help="seconds between the ledger's readings")
+                                   ] = 60.0,
         parity: Annotated[bool, typer.Option(
             "--parity", help="instead of running: the operator against the local API server through a compressed "
                              "day next to the simulator's controllers on the same inputs; print the decisions "
@@ -170,6 +177,19 @@ def register(app: typer.Typer) -> None:
             except ValueError as exc:
                 fail(f"--load-query: {exc}")
 
+        ledger_settings = None
+        if ledger is not None:
+            from gpuplane.controllers.accounting import DcgmReader, NoReader, UtilisationReader
+            from gpuplane.kube.operator import LedgerSettings
+
+            reader: UtilisationReader = NoReader()
+            if prometheus is not None:
+                try:
+                    reader = DcgmReader(PrometheusClient(prometheus, timeout_s=prometheus_timeout), ledger_metric)
+                except (PrometheusError, ValueError) as exc:
+                    fail(f"--ledger-metric {ledger_metric}: {exc}")
+            ledger_settings = LedgerSettings(ledger, reader, ledger_sample_s)
+
         holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
         try:
             config = LeaseConfig(namespace, lease_name, holder, lease_duration, renew_deadline, retry_period)
@@ -182,7 +202,8 @@ def register(app: typer.Typer) -> None:
         metrics = serve_metrics(metrics_port)
         try:
             with on_sigterm(stop.set):
-                run_operator(api, config, stop, namespace=watch_namespace, load=load, metrics=metrics)
+                run_operator(api, config, stop, namespace=watch_namespace, load=load, metrics=metrics,
+                             ledger=ledger_settings)
         except KeyboardInterrupt:
             pass
         finally:

@@ -55,8 +55,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Protocol
 
+from gpuplane.controllers.accounting import AccountingLedger, LedgerFile, UtilisationReader
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.forecast import NO_FORECAST, LoadForecast, SeasonalForecaster
 from gpuplane.controllers.health import HealthPolicy, NodeHealthBook, NodeHealthController
@@ -204,6 +206,20 @@ class _Tidal:
 ClusterFactory = Callable[[], KubeCluster]
 
 
+@dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    """The accounting ledger, run by the leader only: bookings appended to `path` (a volume every replica
+    mounts), utilisation read from `reader` every `sample_s`."""
+
+    path: Path
+    reader: UtilisationReader
+    sample_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.sample_s <= 0:
+            raise ValueError(f"ledger sample_s must be positive, got {self.sample_s}")
+
+
 class Operator:
     """Runs the controllers while `elector` leads. `cluster_factory` builds the cluster port (started) when
     leadership begins; `namespace` limits the namespaced resources watched (None: all namespaces)."""
@@ -212,8 +228,16 @@ class Operator:
                  cluster_factory: ClusterFactory | None = None, namespace: str | None = None,
                  load: LoadReader | None = None, forecast: ForecastFactory = SeasonalForecaster,
                  library: SignatureLibrary | None = None, health_policy: HealthPolicy | None = None,
-                 metrics: PlaneMetrics | None = None, repairer: Repairer | None = None) -> None:
+                 metrics: PlaneMetrics | None = None, repairer: Repairer | None = None,
+                 ledger: LedgerSettings | None = None) -> None:
+        """`ledger`: also book every pod's cards while leading (one ledger per cluster, whichever replica leads;
+        a new leader books the pods it finds from when it took over, so a handover loses at most the time
+        without a leader and books nothing twice)."""
         self.api = api
+        self.ledger_settings = ledger
+        self.ledger: AccountingLedger | None = None
+        self._ledger_sink: LedgerFile | None = None
+        self._ledger_sampled_at = 0.0
         self.metrics = metrics
         """the leader gauge only: the scheduling process's observer counts the cluster (docs/monitoring.md)"""
         self.library = library if library is not None else load_signature_library()
@@ -283,6 +307,11 @@ class Operator:
                 self._apply_pools(pools)
         assert self.colocation is not None
         self.colocation.reconcile(colocation)
+        settings = self.ledger_settings
+        if self.ledger is not None and settings is not None \
+                and self.clock.now() - self._ledger_sampled_at >= settings.sample_s:
+            self.ledger.sample()
+            self._ledger_sampled_at = self.clock.now()
         for key in set(self.tidal) - seen:
             del self.tidal[key]
         for key in set(self.forecasts) - seen:
@@ -293,8 +322,8 @@ class Operator:
     def shutdown(self) -> None:
         """Stop the controllers and release the lease, so that another replica takes over at once."""
         self.tidal.clear()
+        self._stand_down()  # the ledger's last bookings before another replica may lead
         self.elector.release()
-        self._stand_down()
         if self.metrics is not None:
             self.metrics.set_leader("operator", False)
 
@@ -323,12 +352,23 @@ class Operator:
         self.lifecycle = NodeLifecycleController(self.cluster, self.health,
                                                  self.repairer or AnnotatedRepair(self.cluster))
         self.colocation = ColocationDistributor(self.cluster)
+        if self.ledger_settings is not None:
+            self._ledger_sink = LedgerFile(self.ledger_settings.path)
+            self.ledger = AccountingLedger(self.cluster, self.clock, self.ledger_settings.reader, sample_s=0.0,
+                                           sink=self._ledger_sink, keep_bookings=False)
+            self._ledger_sampled_at = self.clock.now()
         for informer in self.informers.values():
             if not informer.wait_synced(30.0):
                 log.warning("%s: the first list has not answered yet", informer.name)
         return True
 
     def _stand_down(self) -> None:
+        if self.ledger is not None:  # every open interval booked up to now, before another replica books on
+            self.ledger.close()
+            self.ledger = None
+        if self._ledger_sink is not None:
+            self._ledger_sink.close()
+            self._ledger_sink = None
         if self.cluster is not None:
             log.info("not leading: stopping the controllers")
             self.cluster.close()
@@ -522,11 +562,11 @@ class HealthServer(ThreadingHTTPServer):
 
 def run_operator(api: KubeApi, config: LeaseConfig, stop: threading.Event, *, namespace: str | None = None,
                  clock: Clock | None = None, load: LoadReader | None = None,
-                 metrics: PlaneMetrics | None = None) -> None:
+                 metrics: PlaneMetrics | None = None, ledger: LedgerSettings | None = None) -> None:
     """Tick an operator every half retry period until `stop` is set; then release the lease."""
     world: Clock = clock if clock is not None else WallClock()
     elector = LeaseElector(api, config, world.now)
-    operator = Operator(api, elector, world, namespace=namespace, load=load, metrics=metrics)
+    operator = Operator(api, elector, world, namespace=namespace, load=load, metrics=metrics, ledger=ledger)
     try:
         while not stop.is_set():
             operator.tick()
