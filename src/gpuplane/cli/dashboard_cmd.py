@@ -8,7 +8,6 @@ through `KubeCluster` (utilisation from dcgm-exporter with `--prometheus`). It s
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -37,26 +36,23 @@ def simulated_week(seed: int, speed: float) -> PacedWeek:
 
 
 def cluster_board(kubeconfig: Path | None, prometheus: str | None, sample_s: float) -> Board:
-    """A board over the cluster `kubeconfig` names, sampled every `sample_s` wall seconds."""
+    """A board over the cluster `kubeconfig` names (its pods' scheduling reasons and its queues' quotas), sampled
+    every `sample_s` wall seconds."""
     from gpuplane.cli.operator_cmd import connect
     from gpuplane.controllers.accounting import DcgmReader
-    from gpuplane.kube.cluster import KubeCluster
     from gpuplane.model import default_catalog
-    from gpuplane.report.dashboard import Board
-    from gpuplane.report.dashboard.live import Sampler
+    from gpuplane.report.dashboard.live import ClusterWatch
     from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError
 
     catalog = default_catalog()
-    cluster = KubeCluster(connect(kubeconfig), catalog)
+    api = connect(kubeconfig)
     reader: UtilisationReader | None = None
     if prometheus is not None:
         try:
             reader = DcgmReader(PrometheusClient(prometheus))
         except PrometheusError as exc:
             fail(str(exc))
-    board = Board(cluster, catalog, now=time.time, reader=reader, title="gpuplane · cluster")
-    Sampler(board, sample_s).start()
-    return board
+    return ClusterWatch(api, catalog, reader=reader, sample_s=sample_s).board
 
 
 def serve(board: Board, host: str, port: int, interval_s: float) -> None:

@@ -11,7 +11,8 @@ writes are API calls. The port's semantics follow the simulated cluster, with th
   once, so, as in the simulated cluster, their events have been delivered when the call returns.
 - Pods. A pod that ended (Failed, Succeeded) leaves `list_pods` (POD_FAILED, or POD_DELETED for a success).
   A pod or node that cannot be read is logged and listed in `unreadable()`, never silently dropped; a pod that
-  was readable and turns unreadable keeps its last readable state in the view.
+  was readable and turns unreadable keeps its last readable state in the view. `pending_reasons()` says why each
+  pending pod waits, as its scheduler wrote it (`PodScheduled=False`, `gpuplane.kube.pending`).
 - Nodes. NODE_UPDATED is sent when a node's spec (as gpuplane reads it) or annotations change, not for every
   status heartbeat; `NodeInfo.resource_version` is the node's resourceVersion at that change.
 - `bind` records the card assignment on the pod (a merge patch guarded by the pod's resourceVersion), then
@@ -73,6 +74,7 @@ from gpuplane.kube.objects import (
     taints_json,
     tolerations_json,
 )
+from gpuplane.kube.pending import pending_reason
 from gpuplane.model import Assignment, Catalog, Fraction, MigSlice, PodRequest, Taint, WholeCards
 from gpuplane.port import (
     Clock,
@@ -131,6 +133,8 @@ class KubeCluster:
         self._nodes: dict[str, NodeInfo] = {}
         self._pods: dict[str, PodInfo] = {}
         self._unreadable: dict[str, str] = {}
+        self._waiting: dict[str, str] = {}
+        """Pod → why it waits, from its `PodScheduled=False` condition (`kube.pending.pending_reason`)."""
         self._stopping = threading.Event()
         self._dispatcher: threading.Thread | None = None
         pods = pod_path(namespace) if namespace else "/api/v1/pods"
@@ -275,6 +279,7 @@ class KubeCluster:
             if prev is None:
                 return []
             del self._pods[name]
+            self._waiting.pop(name, None)
             return [self._event(EventKind.POD_DELETED, pod=prev)]
         # A change that leaves what the pod asks for as it was (the scheduler's annotations, the Binding, status)
         # keeps the request read before: most changes of a pod are those, and reading a request is the costly part.
@@ -296,6 +301,11 @@ class KubeCluster:
             events.append(self._event(EventKind.POD_BOUND, pod=info))
         if info.phase is PodPhase.TERMINATING and (prev is None or prev.phase is not PodPhase.TERMINATING):
             events.append(self._event(EventKind.POD_TERMINATING, pod=info))
+        reason = pending_reason(obj) if info.phase is PodPhase.PENDING and info.assignment is None else None
+        if reason is None:
+            self._waiting.pop(name, None)
+        else:
+            self._waiting[name] = reason
         if finished:
             del self._pods[name]
             kind = EventKind.POD_FAILED if info.phase is PodPhase.FAILED else EventKind.POD_DELETED
@@ -316,6 +326,12 @@ class KubeCluster:
     def get_pod(self, name: str) -> PodInfo | None:
         with self.lock:
             return self._pods.get(name)
+
+    def pending_reasons(self) -> dict[str, str]:
+        """Pending pod → why it waits, as its scheduler wrote it (`PodScheduled=False`, `kube.pending`); a pod
+        no scheduler has judged yet is absent."""
+        with self.lock:
+            return dict(self._waiting)
 
     def unreadable(self) -> list[tuple[str, str]]:
         """Objects the codec refused, as (`pod ns/name` or `node name`, error); they are in no list."""

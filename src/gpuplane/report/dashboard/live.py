@@ -4,6 +4,10 @@
 scheduler's outcomes (the reasons pods wait), and adds a pacer event to the world's loop: every `tick_s` of wall
 time the pacer lets the virtual clock run `speed` × `tick_s` seconds, takes a history sample every `sample_s`
 virtual seconds, and releases the board's lock while it sleeps, so that the page reads a world that stands still.
+
+`ClusterWatch` is the board over a Kubernetes cluster: `KubeCluster` for the fleet and the pods (and why each
+pending pod waits, from the `PodScheduled=False` conditions its scheduler wrote), `Declarations` (the reader
+gpuplane-scheduler uses) for the quotas of the cluster's Queue and GpuPool resources, and a `Sampler`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from gpuplane.controllers.accounting import UtilisationReader
+from gpuplane.kube.api import KubeApi
+from gpuplane.kube.cluster import KubeCluster
+from gpuplane.kube.declarations import Declarations
 from gpuplane.model import Catalog, default_catalog
 from gpuplane.report.dashboard.state import Board
 from gpuplane.scheduler.scheduler import Outcome
@@ -133,4 +141,38 @@ class Sampler:
         self._stop.set()
 
 
-__all__ = ["SAMPLE_S", "PacedWeek", "Sampler", "Stopped"]
+class ClusterWatch:
+    """The board over the cluster `api` reaches (see the module docstring), sampled every `sample_s` wall seconds.
+
+    Starting waits for the first lists of pods and nodes (TimeoutError after `sync_timeout_s`) and of the
+    declarations (a resource that cannot be listed in time is logged, and applied when it answers). `close()`
+    stops the sampler, the board's watch and the informers."""
+
+    def __init__(self, api: KubeApi, catalog: Catalog, *, reader: UtilisationReader | None = None,
+                 sample_s: float = 30.0, sync_timeout_s: float = 30.0, title: str = "gpuplane · cluster") -> None:
+        self.cluster = KubeCluster(api, catalog, sync_timeout_s=sync_timeout_s)
+        self.declarations = Declarations(api, catalog)
+        try:
+            self.declarations.start(sync_timeout_s)
+        except BaseException:
+            self.cluster.close()
+            raise
+        self.board = Board(self.cluster, catalog, now=time.time, reader=reader, title=title,
+                           pending_reasons=self.cluster.pending_reasons, quota_source=self.declarations.quotas)
+        self.sampler = Sampler(self.board, sample_s)
+        self.sampler.start()
+
+    def close(self) -> None:
+        self.sampler.stop()
+        self.board.close()
+        self.declarations.stop()
+        self.cluster.close()
+
+    def __enter__(self) -> ClusterWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["SAMPLE_S", "ClusterWatch", "PacedWeek", "Sampler", "Stopped"]

@@ -3,6 +3,11 @@ and a history of samples (the tide, loans, preemptions and evictions, node healt
 
 `Board` holds the port, the optional scheduler (its quotas) and utilisation reader, and one lock: every read of the
 world (`state`, `sample`) takes it, and a driver that advances a simulated world holds it while the world moves.
+
+Why a pod waits comes from the scheduling passes a driver hands to `record_outcomes` (an in-process scheduler),
+else from the world (`pending_reasons`: on a cluster, the `PodScheduled=False` conditions its scheduler wrote,
+`KubeCluster.pending_reasons`); the quotas from the scheduler, `quotas=`, or `quota_source` (on a cluster, its
+Queue and GpuPool resources, `kube.declarations.Declarations.quotas`), read at every `state`.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,12 +81,18 @@ class Board:
     def __init__(self, port: ClusterPort, catalog: Catalog, *, now: Callable[[], float],
                  scheduler: Scheduler | None = None, quotas: Quotas | None = None,
                  reader: UtilisationReader | None = None, title: str = "gpuplane",
-                 lock: threading.RLock | None = None) -> None:
+                 lock: threading.RLock | None = None,
+                 pending_reasons: Callable[[], Mapping[str, str]] | None = None,
+                 quota_source: Callable[[], Quotas] | None = None) -> None:
+        """`pending_reasons`: pod → why it waits, as the world records it (the reasons `record_outcomes` keeps
+        win). `quota_source`: the quotas now, read at every `state` (it wins over `quotas` and the scheduler's)."""
         self.port = port
         self.catalog = catalog
         self.now = now
         self.scheduler = scheduler
         self.quotas = quotas if quotas is not None else scheduler.rules.quotas if scheduler is not None else None
+        self.pending_reasons = pending_reasons
+        self.quota_source = quota_source
         self.reader = reader
         self.title = title
         self.lock = lock if lock is not None else threading.RLock()
@@ -156,7 +167,8 @@ class Board:
             nodes, pods, now = list(self.port.list_nodes()), list(self.port.list_pods()), self.now()
             history = [s.json() for s in self.history]
             with self._tally:
-                reasons, evictions = dict(self.reasons), dict(self.counts.evictions)
+                recorded, evictions = dict(self.reasons), dict(self.counts.evictions)
+        reasons = {**self.pending_reasons(), **recorded} if self.pending_reasons is not None else recorded
         fleet = self.fleet(nodes, pods)
         return {"title": self.title, "status": self.status, "now": now, "wall": time.time(), **fleet,
                 **self.queues(pods, reasons, now), "evictions": evictions, "history": history}
@@ -236,8 +248,9 @@ class Board:
             if pod.assignment is not None and pod.phase in HOLDING and pod.request.queue is not None:
                 held[pod.request.queue] += pod.assignment.gpu_milli
         pending.sort()
+        table = self.quota_source() if self.quota_source is not None else self.quotas
         quotas = [[q.name, held[q.name] / MILLI_PER_CARD, q.min_gpus, q.max_gpus]
-                  for q in (self.quotas or ())]
+                  for q in (table or ())]
         return {"classes": classes, "reasons": dict(why.most_common()),
                 "pending": [[name, cls, team, round(now - created, 1), reason]
                             for created, name, cls, team, reason in pending[:PENDING_LISTED]],
