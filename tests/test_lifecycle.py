@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
@@ -230,4 +231,81 @@ def test_a_new_leader_carries_on_from_the_node_labels(handover_after: int) -> No
         w.run(PROBATION_S)
     assert book.state("n0") is NodeHealth.HEALTHY
     assert steps_on(w.cluster, "n0") == ["cordoned", "draining", "drained", "repairing", "probation", "returned"]
+    assert [p.name for p in w.cluster.list_pods()] == ["b0"]
+
+
+class _Killed(Exception):
+    """The leader's process dies here (SIGKILL: nothing after it runs)."""
+
+
+class _DyingPort:
+    """The cluster port of a leader that is killed right after its `die_after`-th write (a node patch or an
+    eviction) has reached the cluster."""
+
+    def __init__(self, port: ClusterPort, die_after: int) -> None:
+        self._port = port
+        self.die_after = die_after
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._port, name)
+        if name not in ("patch_node", "evict"):
+            return attr
+
+        def write(*args: object, **kwargs: object) -> Status:
+            if self.writes >= self.die_after:
+                raise _Killed(name)
+            status: Status = attr(*args, **kwargs)
+            self.writes += 1
+            return status
+        return write
+
+
+class _RequestedRepair:
+    """A `Repairer` whose state lives on the node, like the operator's `AnnotatedRepair`: `start` writes a request
+    through its port; a requested repair is done at its first poll, and one never requested never is."""
+
+    def __init__(self, port: ClusterPort) -> None:
+        self.port = port
+
+    def start(self, node: str) -> None:
+        self.port.patch_node(node, annotations={REQUESTED: "yes"})
+
+    def poll(self, node: str) -> bool | None:
+        return True if dict(node_of(self.port, node).annotations).get(REQUESTED) else None
+
+
+REQUESTED = "test/repair-requested"
+# One whole round writes 16 times: 1 the quarantine (taint, label); pass 1: 2 the cordon, 3 `cordoned`, 4 and 5 the
+# evictions of a0 and a1, 6 `draining`; pass 2: 7 `drained`, 8 the repairing label, 9 the repair request,
+# 10 `repairing`; pass 3: 11 the probation label, 12 the taint lifted, 13 the uncordon, 14 `probation`; the last
+# pass: 15 the label removed, 16 `returned`. The old leader is killed after each of writes 1 to 15 in turn.
+ROUND = ["cordoned", "draining", "drained", "repairing", "probation", "returned"]
+
+
+@pytest.mark.parametrize("die_after", range(1, 16))
+def test_a_leader_killed_after_any_write_leaves_no_step_repeated_or_skipped(die_after: int) -> None:
+    """The old leader is killed right after one of its writes, between two of a pass's actions; a new leader (a
+    fresh book from the health labels) finishes the round: the repair requested, every step written once, in
+    order (the drill `kill-operator-drain` does the same with processes)."""
+    w = SimWorld()
+    port = cast(ClusterPort, _DyingPort(w.cluster, die_after))
+    old = NodeLifecycleController(port, NodeHealthController(port, w.book, w.cluster.loop.now),
+                                  _RequestedRepair(port), grace_s=GRACE_S)
+    old.health.isolate("n0", "xid 79")
+    with pytest.raises(_Killed):
+        for _ in range(20):
+            old.step()
+            w.run(PROBATION_S)
+    book = NodeHealthBook(HealthPolicy(probation_s=PROBATION_S))
+    health = NodeHealthController(w.cluster, book, w.cluster.loop.now)
+    health.rebuild()
+    life = NodeLifecycleController(w.cluster, health, _RequestedRepair(w.cluster), grace_s=GRACE_S)
+    for _ in range(10):
+        life.step()
+        w.run(PROBATION_S)
+    n0 = node_of(w.cluster, "n0")
+    assert book.state("n0") is NodeHealth.HEALTHY and dict(n0.annotations).get(REQUESTED) == "yes"
+    assert steps_on(w.cluster, "n0") == ROUND
+    assert n0.spec.schedulable and QUARANTINE_TAINT not in n0.spec.taints
     assert [p.name for p in w.cluster.list_pods()] == ["b0"]

@@ -11,7 +11,10 @@ a probation served moves it to HEALTHY (the label removed). Every step is writte
 Drain evicts through the port. An eviction the port answers PENDING (a PodDisruptionBudget forbids it now) is
 not an error: the node stays in `drain-blocked` with the pods named, and the next `step` tries again. The
 controller keeps no state of its own beyond the book: a new leader rebuilds the book from the nodes' health
-labels (`NodeHealthController.rebuild`) and carries on from there.
+labels (`NodeHealthController.rebuild`) and carries on from there. A leader killed between two writes of one
+pass leaves the book's state (the health label) ahead of the node's step; the next leader finishes what that step
+had left (the cordon's step, the repair request, the taint lifted and the uncordon of probation, the return's
+step), so each step is written once and none is skipped.
 """
 
 from __future__ import annotations
@@ -135,13 +138,20 @@ class NodeLifecycleController:
                 self._repairing(nodes[name], written)
             elif state is NodeHealth.PROBATION:
                 self._probation(nodes[name], written)
+            elif state is NodeHealth.HEALTHY:
+                self._healthy(nodes[name], written)
         return written
 
     # -- the steps ------------------------------------------------------------------------------------------
 
     def _quarantined(self, node: NodeInfo, written: list[LifecycleRecord]) -> None:
         name = node.name
-        if node.spec.schedulable and self.port.patch_node(name, unschedulable=True).ok:
+        current = lifecycle_of(node)
+        if node.spec.schedulable:
+            if self.port.patch_node(name, unschedulable=True).ok:
+                self._record(node, LifecycleStep.CORDONED, "unschedulable", written)
+        elif current is None or current.step in (LifecycleStep.PROBATION, LifecycleStep.RETURNED):
+            # cordoned, by a leader that died before it wrote the step (or by hand): this round's first step
             self._record(node, LifecycleStep.CORDONED, "unschedulable", written)
         on_node = [p for p in self.port.list_pods()
                    if p.assignment is not None and p.assignment.node == name
@@ -178,6 +188,12 @@ class NodeLifecycleController:
 
     def _repairing(self, node: NodeInfo, written: list[LifecycleRecord]) -> None:
         name = node.name
+        current = lifecycle_of(node)
+        if current is None or current.step is not LifecycleStep.REPAIRING:
+            # the book moved, but the leader died before it asked for the repair or wrote the step
+            self.repairer.start(name)
+            self._record(node, LifecycleStep.REPAIRING, "repair started", written)
+            return
         done = self.repairer.poll(name)
         if done is None:
             return
@@ -187,18 +203,32 @@ class NodeLifecycleController:
             return
         result = self.health.apply(name, HealthEvent.REPAIR_DONE, "lifecycle: repaired")
         if result.ok:
-            self.health.release(name, label=NodeHealth.PROBATION.value)
-            self.port.patch_node(name, unschedulable=False)
-            self._record(node, LifecycleStep.PROBATION, "uncordoned, small jobs only", written)
+            self._to_probation(node, written)
+
+    def _to_probation(self, node: NodeInfo, written: list[LifecycleRecord]) -> None:
+        self.health.release(node.name, label=NodeHealth.PROBATION.value)
+        self.port.patch_node(node.name, unschedulable=False)
+        self._record(node, LifecycleStep.PROBATION, "uncordoned, small jobs only", written)
 
     def _probation(self, node: NodeInfo, written: list[LifecycleRecord]) -> None:
         name = node.name
-        if not node.spec.schedulable and lifecycle_of(node) is not None:
-            self.port.patch_node(name, unschedulable=False)  # a leader that died between the two patches
+        current = lifecycle_of(node)
+        if current is not None and current.step is not LifecycleStep.PROBATION:
+            # the book moved, but the leader died before it lifted the taint, uncordoned or wrote the step
+            self._to_probation(node, written)
+            return
+        if not node.spec.schedulable and current is not None:
+            self.port.patch_node(name, unschedulable=False)  # cordoned again by hand: probation takes small jobs
         if not self.health.book.probation_over(name, self.now()):
             return
         result = self.health.apply(name, HealthEvent.PROBATION_PASSED, "lifecycle: probation served")
         if result.ok:
+            self._record(node, LifecycleStep.RETURNED, "in service", written)
+
+    def _healthy(self, node: NodeInfo, written: list[LifecycleRecord]) -> None:
+        current = lifecycle_of(node)
+        if current is not None and current.step is LifecycleStep.PROBATION:
+            # probation served and the label removed by a leader that died before it wrote the step
             self._record(node, LifecycleStep.RETURNED, "in service", written)
 
     # -- the annotation -------------------------------------------------------------------------------------
