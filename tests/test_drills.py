@@ -21,6 +21,7 @@ from gpuplane.kube.drills import (
     FaultyApiServer,
     double_booking,
     lent_twice,
+    lifecycle_problems,
     nothing_lost,
     run_drill,
 )
@@ -92,6 +93,27 @@ def test_lent_twice(server: FaultyApiServer, labels: dict[str, str], taints: lis
     server.add_node(node_json("n1", labels=labels,
                               taints=[{"key": t.key, "value": t.value, "effect": t.effect} for t in taints]))
     assert lent_twice(server) == problems
+
+
+def steps(*names: str) -> list[dict[str, str]]:
+    """A lifecycle history of `names`, each `name` or `name:detail`."""
+    return [{"step": n.split(":")[0], "detail": n.partition(":")[2], "t": "0"} for n in names]
+
+
+@pytest.mark.parametrize(("history", "problems"), [
+    (steps("cordoned", "drain-blocked:p2", "draining:1 evicted", "draining:0 evicted", "drained", "repairing"), []),
+    (steps("cordoned", "drained", "repairing"), []),  # no pods: drained in the pass after the cordon
+    # the cordon's step missing (a leader killed between the cordon and its step)
+    (steps("draining:2 evicted", "drained", "repairing"), ["step 0 'draining' after 'nothing'"]),
+    (steps("cordoned", "cordoned", "drained", "repairing"), ["step 1 'cordoned' () repeated"]),
+    (steps("cordoned", "draining:x", "draining:x", "drained", "repairing"), ["step 2 'draining' (x) repeated"]),
+    (steps("cordoned", "repairing"), ["step 1 'repairing' after 'cordoned'"]),  # drained skipped
+    (steps("cordoned", "draining:1 evicted", "drained"), ["ends at 'drained', not 'repairing'"]),
+    ([], ["ends at 'nothing', not 'repairing'"]),
+])
+def test_lifecycle_problems_name_every_repeated_or_skipped_step(history: list[dict[str, str]],
+                                                                problems: list[str]) -> None:
+    assert lifecycle_problems(history) == problems
 
 
 def test_a_stopped_process_or_a_dead_leader_is_caught(server: FaultyApiServer, tmp_path: Path) -> None:

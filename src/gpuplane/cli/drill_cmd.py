@@ -20,8 +20,8 @@ def register(app: typer.Typer) -> None:
     @app.command("drill")
     def drill(
         names: Annotated[list[str] | None, typer.Argument(
-            help="drills to run (default: all): kill-scheduler, kill-extender, kill-operator, kill-node-agent, "
-                 "api-errors, api-429, api-latency, stale-cache")] = None,
+            help="drills to run (default: all): kill-scheduler, kill-extender, kill-operator, kill-operator-drain, "
+                 "kill-node-agent, api-errors, api-429, api-latency, stale-cache")] = None,
         out: Annotated[Path | None, typer.Option(
             "--out", help="keep each drill's component logs and kubeconfig under OUT/<drill>, and OUT/drills.json")
                        ] = None,

@@ -12,7 +12,8 @@ checks that nothing was lost (`nothing_lost`), reading the API server's objects 
 - no node lent twice: at most one tidal-loan taint per node, and the loan label exactly where the taint is;
 - no process left stopped: every component started is running, and each Lease is held by one of the running
   replicas of its group (the others stand by);
-- and what the drill itself expects (every pod bound, every Xid reported, a node quarantined).
+- and what the drill itself expects (every pod bound, every Xid reported, a node quarantined, a drain finished with
+  every pod evicted once and the lifecycle steps in order).
 
 `DRILLS` maps each drill's name to its function; `run_drills` runs some or all and returns their results, each
 of which lists what was done and what was checked. Every drill takes seconds.
@@ -40,15 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from gpuplane.controllers.health import HEALTH_LABEL
+from gpuplane.controllers.lifecycle import LIFECYCLE_HISTORY
 from gpuplane.controllers.tidal import LOAN_LABEL, LOAN_TAINT
 from gpuplane.kube.api import JsonObject
 from gpuplane.kube.localapi import FakeApiServer, HttpAnswer, node_json, pod_json
 from gpuplane.kube.objects import ASSIGNMENT, SCHEDULER_NAME, ObjectError, decode_assignment
+from gpuplane.kube.operator import REPAIR_ANNOTATION
 from gpuplane.kube.scheduler_mode import DEFAULT_LEASE_NAME, DEFAULT_LEASE_NAMESPACE
 
 __all__ = [
-    "DRILLS", "Check", "Component", "DrillResult", "FaultyApiServer", "Workspace", "double_booking",
-    "nothing_lost", "run_drills",
+    "DRAIN_ROUND", "DRILLS", "Check", "Component", "DrillResult", "FaultyApiServer", "Workspace", "double_booking",
+    "lifecycle_problems", "nothing_lost", "run_drills",
 ]
 
 CARD_MILLI = 1000
@@ -65,13 +68,16 @@ WAIT_S = 30.0
 
 
 class FaultyApiServer(FakeApiServer):
-    """The local API server with harm on demand: `latency_s` before every request that is not a watch, and
-    `error_rate` of them (chosen by a seeded draw) answered `error_status` (500 or 429). `fail_next` (inherited)
-    injects failures on chosen paths; `compact` and `drop_watches` make every watcher relist."""
+    """The local API server with harm on demand: `latency_s` before every request that is not a watch, `slow`
+    seconds more before those whose `(method, path regex)` matches, and `error_rate` of them (chosen by a seeded
+    draw) answered `error_status` (500 or 429). `fail_next` (inherited) injects failures on chosen paths;
+    `compact` and `drop_watches` make every watcher relist."""
 
     def __init__(self, *, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.latency_s = 0.0
+        self.slow: dict[tuple[str, str], float] = {}
+        """Extra delay by `(method, path regex)`: e.g. `{("POST", r"/eviction$"): 0.25}` slows evictions only."""
         self.error_rate = 0.0
         self.error_status = 500
         self.harmed = 0
@@ -82,6 +88,10 @@ class FaultyApiServer(FakeApiServer):
     def record(self, method: str, path: str, body: Any, *, watch: bool = False) -> None:
         if not watch and self.latency_s > 0:
             time.sleep(self.latency_s)
+        if not watch:
+            for (verb, pattern), delay_s in list(self.slow.items()):
+                if verb == method and re.search(pattern, path):
+                    time.sleep(delay_s)
         if not watch and self.error_rate > 0:
             with self._draw_lock:
                 hit = self._draw.random() < self.error_rate
@@ -508,18 +518,10 @@ def _reports(space: Workspace, node: str) -> int:
 def _kill_operator(space: Workspace, result: DrillResult) -> None:
     """SIGKILL the leading operator, then an Xid 79 on a node; the standby leads and quarantines the node."""
     space.nodes(2, 8)
-    replicas = [space.operator("op-a").start(), space.operator("op-b").start()]
-    kern = space.folder / "kern-n1.log"
-    kern.write_text("")
-    agent = space.component("agent-n1", ["node-reporter", "--node-name", "n1", "--follow", str(kern),
-                                         "--state-file", str(space.folder / "agent-n1.json")]).start()
-    wait_until(lambda: space.leader(OPERATOR_LEASE, replicas) is not None)
-    leader = space.leader(OPERATOR_LEASE, replicas)
-    holder = lease_holder(space.server, OPERATOR_LEASE)
-    if not _expect(result, "a leader elected", leader is not None, f"lease holder {holder!r}"):
+    started = _operators_and_agent(space, result)
+    if started is None:
         return
-    assert leader is not None
-    time.sleep(1.0)  # the agent has opened the log and sits at its end
+    _, kern, leader = started
     leader.kill()
     with kern.open("a") as log:
         log.write(XID_79 + "\n")
@@ -539,7 +541,166 @@ def _kill_operator(space: Workspace, result: DrillResult) -> None:
     leader.start()
     result.did.append(f"restarted {leader.name}")
     time.sleep(2.0)  # up, and trying the Lease as a standby (a standby logs nothing)
-    del agent
+
+
+def _operators_and_agent(space: Workspace, result: DrillResult) -> tuple[list[Component], Path, Component] | None:
+    """2 operator replicas and n1's node agent following `kern-n1.log`, started; once a leader is elected (checked)
+    and the agent sits at the log's end: the replicas, the log and the leader (None: no leader)."""
+    replicas = [space.operator("op-a").start(), space.operator("op-b").start()]
+    kern = space.folder / "kern-n1.log"
+    kern.write_text("")
+    space.component("agent-n1", ["node-reporter", "--node-name", "n1", "--follow", str(kern),
+                                 "--state-file", str(space.folder / "agent-n1.json")]).start()
+    wait_until(lambda: space.leader(OPERATOR_LEASE, replicas) is not None)
+    leader = space.leader(OPERATOR_LEASE, replicas)
+    holder = lease_holder(space.server, OPERATOR_LEASE)
+    if not _expect(result, "a leader elected", leader is not None, f"lease holder {holder!r}"):
+        return None
+    assert leader is not None
+    time.sleep(1.0)  # the agent has opened the log and sits at its end
+    return replicas, kern, leader
+
+
+DRAIN_ROUND: dict[str, frozenset[str]] = {
+    "": frozenset({"cordoned"}),
+    "cordoned": frozenset({"draining", "drain-blocked", "drained"}),
+    "draining": frozenset({"draining", "drain-blocked", "drained"}),
+    "drain-blocked": frozenset({"draining", "drain-blocked", "drained"}),
+    "drained": frozenset({"repairing"}),
+    "repairing": frozenset(),
+}
+"""A quarantined node's lifecycle steps, each with the steps that may follow it ("": none written yet), up to the
+repair nobody answers in a drill. A drain step may follow itself with another detail (another pass that evicted
+or found pods still terminating); no step may follow itself with the same detail."""
+
+
+def lifecycle_problems(history: Sequence[Mapping[str, Any]], last: str = "repairing") -> list[str]:
+    """Every way a node's `gpuplane.io/lifecycle-history` departs from `DRAIN_ROUND`: a step repeated with the same
+    detail, one that may not follow the one before it (a step skipped or out of order), or a round not ending at
+    `last`."""
+    problems: list[str] = []
+    before: Mapping[str, Any] = {"step": "", "detail": ""}
+    for i, record in enumerate(history):
+        step, detail = str(record.get("step", "")), str(record.get("detail", ""))
+        if step == before["step"] and detail == before["detail"]:
+            problems.append(f"step {i} {step!r} ({detail}) repeated")
+        elif step not in DRAIN_ROUND.get(str(before["step"]), frozenset()):
+            problems.append(f"step {i} {step!r} after {before['step'] or 'nothing'!r}")
+        before = record
+    if before["step"] != last:
+        problems.append(f"ends at {before['step'] or 'nothing'!r}, not {last!r}")
+    return problems
+
+
+def _steps(space: Workspace, node: str) -> list[dict[str, Any]]:
+    obj = space.server.get("nodes", node) or {}
+    raw = (obj.get("metadata", {}).get("annotations") or {}).get(LIFECYCLE_HISTORY, "[]")
+    history = json.loads(raw)
+    return history if isinstance(history, list) else []
+
+
+def _round(history: Sequence[Mapping[str, Any]]) -> str:
+    """`cordoned → drain-blocked → draining ×3 → drained`: the steps, runs of one step counted."""
+    runs: list[list[Any]] = []
+    for record in history:
+        if runs and runs[-1][0] == record.get("step"):
+            runs[-1][1] += 1
+        else:
+            runs.append([record.get("step"), 1])
+    return " → ".join(f"{step} ×{n}" if n > 1 else str(step) for step, n in runs) or "nothing"
+
+
+def _repair_asked(space: Workspace, node: str) -> str | None:
+    obj = space.server.get("nodes", node) or {}
+    answer: str | None = (obj.get("metadata", {}).get("annotations") or {}).get(REPAIR_ANNOTATION)
+    return answer
+
+
+def _placed(space: Workspace, name: str, node: str, card: int) -> None:
+    """A running one-card pod bound on `node`, holding `card` whole."""
+    doc = {"node": node, "cards": [{"card": card, "milli": CARD_MILLI, "mib": CARD_MIB, "whole": True}]}
+    space.server.add_pod(pod_json(name, limits={"gpuplane.io/gpu": "1"}, node=node, phase="Running",
+                                  annotations={ASSIGNMENT: json.dumps(doc)}))
+
+
+def _evictions(space: Workspace, names: Sequence[str]) -> dict[str, int]:
+    """Eviction POSTs the API server received per pod (refused ones included)."""
+    return {n: len(space.server.requests_to(rf"/pods/{n}/eviction$", "POST")) for n in names}
+
+
+DRAIN_GUARDED = "p2"
+DRAIN_REFUSALS = 4
+"""How many evictions of the guarded pod its disruption budget refuses before it lets one through."""
+
+
+def _kill_operator_drain(space: Workspace, result: DrillResult) -> None:
+    """SIGKILL the leading operator in the middle of a node's drain (some pods evicted, one guarded by a budget);
+    the standby finishes the drain from the node's lifecycle record and its pods."""
+    space.nodes(2, 8)
+    on_n1 = [f"p{i}" for i in range(5)]
+    on_n0 = ["q0", "q1"]
+    for card, name in enumerate(on_n1):
+        _placed(space, name, "n1", card)
+    for card, name in enumerate(on_n0):
+        _placed(space, name, "n0", card)
+    space.server.pod_deletion_delay_s = 3.0  # the kubelet takes 3 s to stop an evicted pod
+    space.server.block_eviction(f"default/{DRAIN_GUARDED}", times=DRAIN_REFUSALS)
+    space.server.slow[("POST", r"/eviction$")] = 0.25  # so the leader can be caught between two evictions
+    started = _operators_and_agent(space, result)
+    if started is None:
+        return
+    replicas, kern, leader = started
+    standby = next(c for c in replicas if c is not leader)
+    with kern.open("a") as log:
+        log.write(XID_79 + "\n")
+    result.did.append(f"5 running one-card pods on n1 ({DRAIN_GUARDED}'s budget refuses {DRAIN_REFUSALS} evictions, "
+                      "then lets one through; an evicted pod takes 3 s to stop; each eviction answered after 0.25 s), "
+                      "2 on n0; 2 operator replicas and n1's node agent; n1's kernel log got an Xid 79")
+    wait_until(lambda: sum(_evictions(space, on_n1).values()) >= 2, step_s=0.01)
+    leader.kill()
+    time.sleep(0.3)  # an eviction already on the wire lands
+    sent = _evictions(space, on_n1)
+    evicted = [n for n in on_n1 if ((space.server.get("pods", f"default/{n}") or {"metadata": {
+        "deletionTimestamp": "gone"}}).get("metadata") or {}).get("deletionTimestamp")]
+    refused = [n for n in on_n1 if sent[n] and n not in evicted]
+    left = [n for n in on_n1 if not sent[n]]
+    at_kill = _steps(space, "n1")
+    result.did.append(f"SIGKILLed the leader {leader.name} in the middle of n1's drain: eviction POSTs so far "
+                      f"{', '.join(f'{n} {c}' for n, c in sent.items())}; n1's lifecycle record then "
+                      f"{_round(at_kill)}")
+    _expect(result, "killed in the middle of the drain", bool(evicted) and bool(left),
+            f"{', '.join(evicted) or 'none'} evicted, {', '.join(refused) or 'none'} refused by the budget, "
+            f"{', '.join(left) or 'none'} not asked yet")
+    # the repairing label comes first in the pass, then the repair request, then the step
+    wait_until(lambda: _health(space, "n1") == "repairing" and _repair_asked(space, "n1") == "requested"
+               and [r.get("step") for r in _steps(space, "n1")][-1:] == ["repairing"])
+    took = lease_holder(space.server, OPERATOR_LEASE)
+    _expect(result, "the standby took the lease", took == standby.name, f"holder {took!r}")
+    sent = _evictions(space, on_n1)
+    expected = {n: 1 + (DRAIN_REFUSALS if n == DRAIN_GUARDED else 0) for n in on_n1}
+    gone = [n for n in on_n1 if space.server.get("pods", f"default/{n}") is None]
+    kept = [n for n in on_n0 if ((space.server.get("pods", f"default/{n}") or {}).get("status") or {}).get(
+        "phase") == "Running"]
+    touched = {n: c for n, c in _evictions(space, on_n0).items() if c}
+    _expect(result, "every pod of n1 evicted once, none lost",
+            sent == expected and len(gone) == len(on_n1) and kept == on_n0 and not touched,
+            f"eviction POSTs {', '.join(f'{n} {c}' for n, c in sent.items())} ({DRAIN_GUARDED}: {DRAIN_REFUSALS} "
+            f"refused by its budget, then 1); {len(gone)} of {len(on_n1)} of n1's pods gone; "
+            f"{len(kept)} of {len(on_n0)} of n0's running, eviction POSTs for them {touched or 'none'}")
+    n1 = space.server.get("nodes", "n1") or {}
+    asked = _repair_asked(space, "n1")
+    _expect(result, "n1 drained to repairing", _health(space, "n1") == "repairing" and asked == "requested"
+            and bool(n1.get("spec", {}).get("unschedulable")),
+            f"n1 {HEALTH_LABEL}={_health(space, 'n1')!r}, {REPAIR_ANNOTATION}={asked!r}, "
+            f"unschedulable={n1.get('spec', {}).get('unschedulable')!r}")
+    history = _steps(space, "n1")
+    problems = lifecycle_problems(history)
+    _expect(result, "n1's lifecycle in order, no step repeated or skipped", not problems,
+            "; ".join(problems) + f" (record: {_round(history)})" if problems else
+            f"{_round(history)}: {len(history) - len(at_kill)} step(s) written after the leader change")
+    leader.start()
+    result.did.append(f"restarted {leader.name}")
+    time.sleep(2.0)  # up, and trying the Lease as a standby
 
 
 def _kill_node_agent(space: Workspace, result: DrillResult) -> None:
@@ -685,6 +846,7 @@ DRILLS: dict[str, Callable[[Workspace, DrillResult], None]] = {
     "kill-scheduler": _kill_scheduler,
     "kill-extender": _kill_extender,
     "kill-operator": _kill_operator,
+    "kill-operator-drain": _kill_operator_drain,
     "kill-node-agent": _kill_node_agent,
     "api-errors": _api_500,
     "api-429": _api_429,
