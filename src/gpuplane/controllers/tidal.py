@@ -205,7 +205,7 @@ class TidalController:
         for name in self._strays(nodes, pods):  # reclaim evictions a disruption budget held back
             self._evict(name, RECLAIM_REASON)
         for name in self._lodgers(pods):  # offline pods on lent nodes whose lending eviction was held back
-            self._displace(name)
+            self._evict(name, LEND_REASON)
         by_workload: dict[str, list[PodInfo]] = {}
         for pod in pods:
             if pod.request.workload is not None:
@@ -329,7 +329,7 @@ class TidalController:
                 self.stats.loans += 1
                 room_milli -= int(size * keep)
                 for pod in offline.get(node.name, ()):  # tainted first, so nothing offline lands there again
-                    self._displace(pod)
+                    self._evict(pod, LEND_REASON)
 
     def _reclaim(self, names: Sequence[str], *, early: bool) -> None:
         if not names:
@@ -353,26 +353,20 @@ class TidalController:
 
     def _evict(self, pod: str, reason: str) -> None:
         status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason=reason)
-        if status.ok:
+        if status.ok and reason == LEND_REASON:
+            self.stats.offline_pods_displaced += 1
+        elif status.ok:
             self.stats.training_pods_evicted += 1
         elif status.code is Code.PENDING:  # a disruption budget forbids it now: `_strays` finds it next pass
-            self.stats.evictions_held += 1
-
-    def _displace(self, pod: str) -> None:
-        status = self.port.evict(pod, grace_s=self.policy.reclaim_grace_s, reason=LEND_REASON)
-        if status.ok:
-            self.stats.offline_pods_displaced += 1
-        elif status.code is Code.PENDING:
             self.stats.evictions_held += 1
 
     def _lodgers(self, pods: Sequence[PodInfo]) -> list[str]:
         """Offline pods still running on lent nodes that do not tolerate the loan's taint (co-located work whose
         lending eviction was held back). Derived from the world, as `_strays` is."""
-        taint = LOAN_TAINT
         return [p.name for p in pods
                 if p.phase is PodPhase.RUNNING and p.assignment is not None and p.assignment.node in self.ledger
                 and p.request.qos is not QoS.ONLINE
-                and not any(t.tolerates(taint.key, taint.value, taint.effect) for t in p.request.tolerations)]
+                and not p.request.tolerates(LOAN_TAINT.key, LOAN_TAINT.value, LOAN_TAINT.effect)]
 
     def _strays(self, nodes: Sequence[NodeInfo], pods: Sequence[PodInfo]) -> list[str]:
         """Training pods still running on tidal nodes that are home again (their eviction was held back).

@@ -15,19 +15,15 @@ import logging
 import threading
 from dataclasses import replace
 
-from gpuplane.kube.api import ApiError, KubeApi
+from gpuplane.kube.api import ApiError, KubeApi, node_path
 from gpuplane.node.device_plugin import Sharing
 from gpuplane.node.dra_plugin import DraPlugin
 from gpuplane.node.dra_slices import SlicePublisher
 from gpuplane.node.gpu import GpuBackendError
 
-__all__ = ["node_path", "node_uid", "run_dra_node", "set_sharing"]
+__all__ = ["node_uid", "run_dra_node", "set_sharing"]
 
 log = logging.getLogger(__name__)
-
-
-def node_path(node: str) -> str:
-    return f"/api/v1/nodes/{node}"
 
 
 def node_uid(api: KubeApi, node: str) -> str | None:

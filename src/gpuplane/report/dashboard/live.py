@@ -16,17 +16,18 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from gpuplane.controllers.accounting import UtilisationReader
-from gpuplane.kube.api import KubeApi
-from gpuplane.kube.cluster import KubeCluster
-from gpuplane.kube.declarations import Declarations
 from gpuplane.model import Catalog, default_catalog
 from gpuplane.report.dashboard.state import Board
 from gpuplane.scheduler.scheduler import Outcome
 from gpuplane.sim.accounting import PlatformBusy
 from gpuplane.sim.platform import PlatformSettings, run_arm
 from gpuplane.sim.scenario.world import World
+
+if TYPE_CHECKING:
+    from gpuplane.controllers.accounting import UtilisationReader
+    from gpuplane.kube.api import KubeApi
 
 SAMPLE_S = 300.0
 """Virtual seconds between two history samples of a simulated world."""
@@ -150,6 +151,9 @@ class ClusterWatch:
 
     def __init__(self, api: KubeApi, catalog: Catalog, *, reader: UtilisationReader | None = None,
                  sample_s: float = 30.0, sync_timeout_s: float = 30.0, title: str = "gpuplane · cluster") -> None:
+        from gpuplane.kube.cluster import KubeCluster  # the simulation's board does not load the cluster code
+        from gpuplane.kube.declarations import Declarations
+
         self.cluster = KubeCluster(api, catalog, sync_timeout_s=sync_timeout_s)
         self.declarations = Declarations(api, catalog)
         try:
