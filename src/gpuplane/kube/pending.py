@@ -57,16 +57,10 @@ def fit_error_reason(message: str) -> str:
     body = (match.group("body") or "").strip()
     if not body:
         return OTHER_REASON
-    parts = [_COUNTED.match(part.strip()) for part in body.split(", ")]
-    if all(part is not None for part in parts):
-        best: tuple[int, str] | None = None
-        for part in parts:
-            assert part is not None
-            count = int(part.group("count"))
-            if best is None or count > best[0]:
-                best = (count, part.group("reason"))
-        assert best is not None
-        return reason_label(best[1])
+    parts = body.split(", ")
+    counted = [m for part in parts if (m := _COUNTED.match(part.strip())) is not None]
+    if len(counted) == len(parts):  # max keeps the first of equal counts
+        return reason_label(max(counted, key=lambda m: int(m.group("count"))).group("reason"))
     if body.startswith("gang "):
         return "gang members missing" if "is waiting for its members" in body else "gang does not fit whole"
     if body.startswith("queue "):
