@@ -41,6 +41,7 @@ from gpuplane.node.reporter import (
     LogPosition,
     NodeReporter,
     PositionStore,
+    end_of,
     follow_command,
     follow_file,
     run_reporter,
@@ -190,6 +191,25 @@ def wait_until(condition: Callable[[], bool], what: str, *, timeout_s: float = 2
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.01)
+
+
+def test_a_file_read_from_its_end_as_at_the_start_keeps_a_line_written_before_its_thread_runs(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("old line\n")
+    start = end_of(log)  # what the command takes before it starts the follower and serves /healthz
+    assert start is not None and start.offset == len("old line\n")
+    log.write_text("old line\nnew line\n")  # written before the follower's first look at the file
+    findings: queue.Queue[Finding] = queue.Queue()
+    stop = threading.Event()
+    thread = threading.Thread(target=follow_file, args=(log, findings, stop), kwargs={"poll_s": 0.01,
+                                                                                      "resume": start})
+    thread.start()
+    try:
+        assert findings.get(timeout=10).line == "new line"
+    finally:
+        stop.set()
+        thread.join(5)
+    assert end_of(tmp_path / "missing.log") is None
 
 
 def test_a_followed_file_gives_its_new_lines_and_is_reopened_when_truncated(tmp_path: Path) -> None:

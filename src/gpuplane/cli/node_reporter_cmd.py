@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
             NodeReporter,
             PositionStore,
             drain,
+            end_of,
             follow_command,
             follow_file,
             run_reporter,
@@ -117,15 +118,17 @@ def register(app: typer.Typer) -> None:
             state_file.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             fail(f"--state-file {state_file}: {exc}")
-        threads = [threading.Thread(target=follow_file, args=(path, findings, stop),
-                                    kwargs={"from_start": from_start, "resume": positions.get(path)}, daemon=True)
+        # A file with no saved position is read from its end as it is now (or its start), before /healthz says ready.
+        threads = [threading.Thread(target=follow_file, args=(path, findings, stop), daemon=True, kwargs={
+                       "from_start": from_start,
+                       "resume": positions.get(path) or (None if from_start else end_of(path))})
                    for path in follow or []]
         if command is not None:
             threads.append(threading.Thread(target=follow_command, args=(command.split(), findings, stop),
                                             daemon=True))
-        health = serve_health(health_port)
         for thread in threads:
             thread.start()
+        health = serve_health(health_port)
         try:
             with on_sigterm(stop.set):
                 run_reporter(reporter, findings, stop, checks=checks, check_period_s=check_period,

@@ -247,6 +247,17 @@ def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: t
         commit()
 
 
+def end_of(path: Path) -> LogPosition | None:
+    """Where `path` ends now, as a position to resume from (None: no such file yet). Taken before a follower's
+    thread starts, it fixes "from its end" at the agent's start, so a line written while the thread starts is
+    not skipped."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return LogPosition(PositionStore.key(path), stat.st_dev, stat.st_ino, stat.st_size)
+
+
 def follow_file(path: Path, findings: queue.Queue[Finding], stop: threading.Event, *, from_start: bool = False,
                 poll_s: float = 0.5, resume: LogPosition | None = None) -> None:
     """Put each new line of `path` on `findings` until `stop`, each with the position just past it; a file
