@@ -394,6 +394,104 @@ def test_lease_names_match_what_the_components_are_told() -> None:
     assert ("update", "coordination.k8s.io", "leases", NAMESPACE, lease) in grants["gpuplane-operator"]
 
 
+
+def _operator_ledger(deployment: Doc, claims: Mapping[str, Doc]) -> list[str]:
+    """What is wrong with how the operator Deployment books its accounting ledger (empty: nothing)."""
+    [container] = _containers(deployment)
+    _, *flags = container["args"]
+    params = _CLI.commands["operator"].make_context("gpuplane operator", list(flags)).params  # type: ignore[attr-defined]
+    ledger = params["ledger"]
+    if ledger is None:
+        return ["no --ledger: the ledger never runs"]
+    spec = deployment["spec"]
+    volumes = {v["name"]: v for v in spec["template"]["spec"].get("volumes", [])}
+    path = Path(os.path.normpath(ledger))
+    mounts = [m for m in container.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    if not mounts:
+        return [f"--ledger {ledger} is on no mounted volume"]
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))  # the innermost mount holds the file
+    problems = []
+    if mount.get("readOnly"):
+        problems.append(f"{mount['mountPath']} is mounted read-only")
+    claim_name = volumes.get(mount["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
+    if claim_name is None:
+        return [*problems, f"volume {mount['name']} is no PersistentVolumeClaim: a restart loses the ledger"]
+    claim = claims.get(claim_name)
+    if claim is None:
+        return [*problems, f"claim {claim_name} is not defined"]
+    if claim["metadata"]["namespace"] != deployment["metadata"]["namespace"]:
+        problems.append(f"claim {claim_name} is in another namespace")
+    # One file for every replica: a ReadWriteOnce volume attaches to one node, so only one pod, and no
+    # overlap while it is replaced (Recreate); ReadWriteMany lets the standby mount the same file.
+    if "ReadWriteMany" not in claim["spec"]["accessModes"]:
+        if spec.get("replicas", 1) != 1:
+            problems.append(f"{spec['replicas']} replicas on a {claim['spec']['accessModes']} claim")
+        if spec.get("strategy", {}).get("type") != "Recreate":
+            problems.append("a rolling update starts a second pod on a ReadWriteOnce claim")
+    pod_security = spec["template"]["spec"].get("securityContext", {})
+    if pod_security.get("fsGroup") != pod_security.get("runAsGroup"):
+        problems.append("no fsGroup: the volume is not writable by the operator's group")
+    return problems
+
+
+def test_the_operator_books_its_ledger_on_the_claim_every_replica_mounts() -> None:
+    claims = {c["metadata"]["name"]: c for c in _of_kind("PersistentVolumeClaim")}
+    operator = _one("Deployment", "gpuplane-operator")
+    assert _operator_ledger(operator, claims) == []
+    [container] = _containers(operator)
+    args = container["args"]
+    assert args[args.index("--ledger") + 1] == "/var/lib/gpuplane/ledger/ledger.jsonl"
+
+
+def _with(doc: Doc, path: str, value: Any) -> Doc:
+    """A deep copy of `doc` with the dotted `path` set to `value` (None: removed)."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    *parents, last = path.split(".")
+    node: Any = out
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    key: Any = int(last) if isinstance(node, list) else last
+    if value is None:
+        del node[key]
+    else:
+        node[key] = value
+    return out
+
+
+_POD = "spec.template.spec"
+_OPERATOR_LEDGER_BREAKS = [
+    # (what is changed, the value, the problem reported)
+    (f"{_POD}.containers.0.args", ["operator", "--health-port", "8081"], "no --ledger"),
+    (f"{_POD}.containers.0.args", ["operator", "--ledger", "/tmp/../data/ledger.jsonl"], "on no mounted volume"),
+    (f"{_POD}.containers.0.args", ["operator", "--ledger", "/tmp/ledger.jsonl"], "is no PersistentVolumeClaim"),
+    (f"{_POD}.volumes.1.persistentVolumeClaim.claimName", "other", "claim other is not defined"),
+    ("spec.replicas", 2, "2 replicas on a ['ReadWriteOnce'] claim"),
+    ("spec.strategy", None, "a rolling update starts a second pod"),
+    (f"{_POD}.securityContext.fsGroup", None, "no fsGroup"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "problem"), _OPERATOR_LEDGER_BREAKS,
+                         ids=[p for _, _, p in _OPERATOR_LEDGER_BREAKS])
+def test_the_ledger_check_catches_a_broken_deployment(path: str, value: Any, problem: str) -> None:
+    claims = {c["metadata"]["name"]: c for c in _of_kind("PersistentVolumeClaim")}
+    operator = _one("Deployment", "gpuplane-operator")
+    assert [v["name"] for v in operator["spec"]["template"]["spec"]["volumes"]] == ["tmp", "ledger"]
+    problems = _operator_ledger(_with(operator, path, value), claims)
+    assert any(problem in p for p in problems), problems
+
+
+def test_a_readwritemany_claim_allows_the_standby_replica() -> None:
+    # The documented alternative: ReadWriteMany storage, two replicas, the rolling update back.
+    claims = {c["metadata"]["name"]: c for c in _of_kind("PersistentVolumeClaim")}
+    rwx = {n: _with(c, "spec.accessModes", ["ReadWriteMany"]) for n, c in claims.items()}
+    two = _with(_with(_one("Deployment", "gpuplane-operator"), "spec.replicas", 2), "spec.strategy", None)
+    assert _operator_ledger(two, rwx) == []
+    assert kubernetes_validate.validate(two, K8S_VERSION, strict=True) == K8S_VERSION
+
+
 # Subresource calls as the code spells them (`pod_path(ns, name, "binding")`, f"{path}/scale") → the grant
 # they need. A module under src/gpuplane/kube or src/gpuplane/node that makes such a call runs as a component
 # that must hold the grant.
