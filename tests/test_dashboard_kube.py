@@ -104,6 +104,8 @@ def test_the_board_over_a_cluster_shows_the_schedulers_reasons_and_the_queues_qu
             state = watch.board.state()
             # wait-0 and wait-1: Insufficient nvidia.com/gpu (2 and 3 nodes of 3); new-0 has no condition.
             assert state["reasons"] == {"Insufficient nvidia.com/gpu": 2, NOT_TRIED: 1}
+            # no pod names a priority class: one class, (none), with the same counts
+            assert state["class_reasons"] == {"(none)": {"Insufficient nvidia.com/gpu": 2, NOT_TRIED: 1}}
             assert {row[0]: row[4] for row in state["pending"]} == {
                 "default/wait-0": "Insufficient nvidia.com/gpu", "default/wait-1": "Insufficient nvidia.com/gpu",
                 "default/new-0": NOT_TRIED}
@@ -129,6 +131,8 @@ def test_the_board_over_a_cluster_shows_the_schedulers_reasons_and_the_queues_qu
                 # The page draws them (headless Chromium, one live update).
                 rows = table_rows(Chromium.find().dump_dom(server.url + "?updates=1"))
                 assert ["Insufficient nvidia.com/gpu", "2"] in rows and ["queue at its quota", "1"] in rows
+                assert ["(none)", "Insufficient nvidia.com/gpu", "2"] in rows
+                assert ["(none)", "queue at its quota", "1"] in rows
                 assert ["team-a", "2.00", "2.0", "10.0", ""] in rows and ["team-b", "0.00", "1.0", "–", ""] in rows
                 listed = {r[0]: r[4] for r in rows if len(r) == 5 and r[0].startswith("default/")}
                 assert listed == {"default/wait-0": "Insufficient nvidia.com/gpu",
@@ -158,3 +162,87 @@ def test_the_board_shows_the_reason_gpuplane_scheduler_wrote() -> None:
                 wait_for(lambda: watch.board.state()["reasons"] == {"insufficient idle GPUs": 1}, "the reason")
         finally:
             mode.shutdown()
+
+
+# The same pods in both worlds: 2 A100 nodes of 8 cards each, none bound, so every pod waits.
+# (name, priority class, cards, models, gang) -> the reason either world's scheduler gives
+SAME_PODS = [
+    ("serve-0", "online", 16, None, None),          # 16 > 8 cards on any node: insufficient idle GPUs
+    ("train-0", "training", 16, None, None),        # the same
+    ("train-1", "training", 2, None, ("g", 4)),     # 1 member of a gang of 4: gang members missing
+    ("dev-0", "dev", 1, {"H100-80GB"}, None),       # no H100 node: GPU model mismatch
+    ("fill-0", "batch-low", 9, None, None),         # 9 > 8: insufficient idle GPUs
+]
+
+
+def _same_requests() -> list[Any]:
+    from gpuplane.model import PodRequest, WholeCards
+
+    return [PodRequest(f"default/{name}", cpu_milli=100, gpu=WholeCards(cards), priority_class=cls,
+                       models=frozenset(models) if models else None, gang=gang[0] if gang else None,
+                       gang_size=gang[1] if gang else 0)
+            for name, cls, cards, models, gang in SAME_PODS]
+
+
+def test_both_worlds_count_the_same_pods_reasons_per_class_alike() -> None:
+    """The board counts why pods wait per priority class from the simulator's scheduling pass
+    (`record_outcomes`) and from the `PodScheduled=False` conditions gpuplane-scheduler wrote on a cluster; the
+    same pods on the same nodes give the same counts per class, and each class's counts add up to its pending
+    pods."""
+    from gpuplane.cli.extender_cmd import build_profile
+    from gpuplane.kube.cluster import pod_manifest
+    from gpuplane.kube.scheduler_mode import DEFAULT_SCHEDULER_NAME
+    from gpuplane.report.dashboard import Board
+    from gpuplane.scheduler.scheduler import Scheduler
+    from gpuplane.sim.cluster import SimCluster
+
+    expected = {
+        "batch-low": {"insufficient idle GPUs": 1},
+        "dev": {"GPU model mismatch": 1},
+        "online": {"insufficient idle GPUs": 1},
+        "training": {"gang members missing": 1, "insufficient idle GPUs": 1},  # a tie (1 = 1): by name
+    }
+    with FakeApiServer() as fake:
+        for i in range(2):
+            fake.add_node(node_json(f"a{i}", cards=8))
+        mode = make_scheduler(fake)
+        try:
+            mode.tick()
+            for request in _same_requests():
+                fake.api.create(PODS, pod_manifest(request, scheduler_name=DEFAULT_SCHEDULER_NAME))
+
+            def judged() -> bool:
+                return all(any(c.get("type") == "PodScheduled" for c in (fake.get("pods", f"default/{name}") or {})
+                               .get("status", {}).get("conditions", [])) for name, *_ in SAME_PODS)
+
+            settle([mode], judged)
+            with ClusterWatch(fake.api, CATALOG, sample_s=3600, sync_timeout_s=20) as watch:
+                wait_for(lambda: len(watch.cluster.pending_reasons()) == len(SAME_PODS), "the reasons")
+                kube = watch.board.state()
+                specs = [n.spec for n in watch.cluster.list_nodes()]
+                with DashboardServer(watch.board) as server:
+                    kube_rows = table_rows(Chromium.find().dump_dom(server.url + "?updates=1"))
+        finally:
+            mode.shutdown()
+    sim = SimCluster(CATALOG, specs)
+    for request in _same_requests():
+        assert sim.create_pod(request).ok
+    board = Board(sim, CATALOG, now=lambda: 0.0,
+                  scheduler=Scheduler(sim, CATALOG, build_profile("binpack", None), seed=42))
+    assert board.scheduler is not None
+    board.record_outcomes(board.scheduler.run_pending())
+    simulated = board.state()
+    assert simulated["class_reasons"] == kube["class_reasons"] == expected
+    with DashboardServer(board) as server:
+        sim_rows = table_rows(Chromium.find().dump_dom(server.url + "?updates=1"))
+    # The pages draw them alike: the rows of three cells (the classes' pending and running, the reasons by class).
+    drawn = sorted(r for r in sim_rows if len(r) == 3)
+    assert drawn == sorted(r for r in kube_rows if len(r) == 3)
+    assert [[c, r, str(n)] for c, why in expected.items() for r, n in why.items()] == [
+        r for r in sim_rows if len(r) == 3 and r[2].isdigit() and not r[1].isdigit()]
+    for state in (simulated, kube):
+        assert {c: sum(why.values()) for c, why in state["class_reasons"].items()} == {
+            c: pending for c, (pending, _) in state["classes"].items()}
+        # over all classes: insufficient idle GPUs on 3 pods (online, training, batch-low), 1 + 1 others
+        assert state["reasons"] == {"insufficient idle GPUs": 3, "gang members missing": 1,
+                                    "GPU model mismatch": 1}

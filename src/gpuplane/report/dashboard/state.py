@@ -229,11 +229,14 @@ class Board:
                            "full": full, "out_of_service": out_of_service}}
 
     def queues(self, pods: Iterable[PodInfo], reasons: dict[str, str], now: float) -> dict[str, Any]:
-        """`classes`: priority class -> [pending, running]; `reasons`: reason -> pending pods; `pending`: the
-        oldest `PENDING_LISTED` as [pod, class, team, waited s, reason]; `quotas`: [queue, allocated GPUs, min,
-        max or null]."""
+        """`classes`: priority class -> [pending, running]; `reasons`: reason -> pending pods, over all classes;
+        `class_reasons`: priority class -> reason -> pending pods, the classes by name and each class's reasons
+        most first, then by name (they add up to the class's pending count); `pending`: the oldest
+        `PENDING_LISTED` as [pod, class, team, waited s, reason]; `quotas`: [queue, allocated GPUs, min, max or
+        null]. A pod of no class counts under `(none)`."""
         classes: dict[str, list[int]] = {}
         why: Counter[str] = Counter()
+        why_by_class: dict[str, Counter[str]] = {}
         pending: list[tuple[float, str, str, str, str]] = []
         held: Counter[str] = Counter()
         for pod in pods:
@@ -242,6 +245,7 @@ class Board:
                 classes.setdefault(cls, [0, 0])[0] += 1
                 reason = reasons.get(pod.name, NOT_TRIED)
                 why[reason] += 1
+                why_by_class.setdefault(cls, Counter())[reason] += 1
                 pending.append((pod.created_at, pod.name, cls, team_of(pod), reason))
             elif pod.phase is PodPhase.RUNNING:
                 classes.setdefault(cls, [0, 0])[1] += 1
@@ -252,6 +256,8 @@ class Board:
         quotas = [[q.name, held[q.name] / MILLI_PER_CARD, q.min_gpus, q.max_gpus]
                   for q in (table or ())]
         return {"classes": classes, "reasons": dict(why.most_common()),
+                "class_reasons": {cls: dict(sorted(why_by_class[cls].items(), key=lambda kv: (-kv[1], kv[0])))
+                                  for cls in sorted(why_by_class)},
                 "pending": [[name, cls, team, round(now - created, 1), reason]
                             for created, name, cls, team, reason in pending[:PENDING_LISTED]],
                 "pending_total": len(pending), "quotas": quotas}

@@ -101,6 +101,8 @@
     const team = filters.team;
     rows("classes", Object.entries(s.classes).sort().map(([c, v]) => [esc(c), v[0], v[1]]));
     rows("reasons", Object.entries(s.reasons).map(([r, v]) => [esc(r), v]));
+    rows("class-reasons", Object.entries(s.class_reasons).flatMap(([c, why]) =>
+      Object.entries(why).map(([r, v]) => [esc(c), esc(r), v])));
     rows("quotas", s.quotas.filter((q) => !team || q[0] === team).map((q) => {
       const cap = q[3] === null ? q[2] : q[3];
       const width = cap > 0 ? Math.min(100, 100 * q[1] / cap) : 0;
