@@ -29,6 +29,7 @@ from gpuplane.controllers.autoscale import (
     KedaActivation,
     PolicyKind,
     ReadingSource,
+    RiseReserve,
     ScaledObjectScaler,
     ScaledObjectSpec,
     ScalerPolicy,
@@ -711,3 +712,84 @@ def test_desired_is_unknown_before_the_first_poll_then_the_hpas_count() -> None:
     idle = ScaledObjectScaler(spec, min_query_interval_s=0.0)
     idle.poll(0.0, Source({"gateway": 0.0}))
     assert idle.desired == 0  # inactive: 0, a count, not unknown
+
+
+# ------------------------------------------------------------------------------------ the rise reserve
+
+
+@pytest.mark.parametrize(("series", "expected"), [
+    # (t, signal, level); lead 180 s: each reading against the latest at or before t - 180
+    ([(0, 100, 100), (60, 100, 100), (180, 160, 160)], 1.6),  # 160 / 100 (t=180 against t=0)
+    ([(0, 100, 100), (120, 160, 160)], 1.0),  # nothing a lead back yet
+    ([(0, 100, 100), (60, 150, 150), (240, 180, 180)], 1.2),  # t=240 against t=60 (the latest before 60): 180/150
+    ([(0, 40, 40), (180, 160, 160)], 1.0),  # 40 was under the floor (70): a service waking, not a crowd
+    ([(0, 100, 100), (180, 80, 80)], 1.0),  # a fall: the factor never goes below 1
+    ([(0, 10, 100), (180, 99, 990)], 4.0),  # 9.9 capped at 4; the level, not the signal, meets the floor
+])
+def test_the_reserve_is_the_largest_rise_within_a_lead(series: list[tuple[float, float, float]],
+                                                       expected: float) -> None:
+    reserve = RiseReserve(lead_s=180.0, window_s=3600.0, floor=70.0)
+    for t, signal, level in series:
+        reserve.observe("svc", t, signal, level)
+    assert reserve.factor(series[-1][0]) == pytest.approx(expected)
+
+
+def test_a_rise_is_forgotten_after_the_window_and_shared_by_every_object() -> None:
+    reserve = RiseReserve(lead_s=60.0, window_s=600.0, floor=1.0)
+    reserve.observe("a", 0.0, 10.0, 10.0)
+    reserve.observe("a", 60.0, 20.0, 20.0)  # a doubles in a lead
+    reserve.observe("b", 60.0, 10.0, 10.0)  # b has only its first reading: it still gets a's rise
+    assert reserve.factor(60.0) == 2.0 and reserve.factor(660.0) == 2.0
+    assert reserve.factor(661.0) == 1.0  # 601 s after the rise, the window (600 s) has let it go
+
+
+def test_observations_out_of_order_are_refused() -> None:
+    reserve = RiseReserve(lead_s=60.0, window_s=600.0, floor=1.0)
+    reserve.observe("a", 60.0, 10.0, 10.0)
+    with pytest.raises(ValueError, match="before the last one"):
+        reserve.observe("a", 0.0, 10.0, 10.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0.0, 1000.0)), min_size=1, max_size=40))
+def test_the_factor_is_the_brute_force_maximum(steps: list[tuple[int, float]]) -> None:
+    lead, window, floor = 120.0, 900.0, 50.0
+    reserve = RiseReserve(lead_s=lead, window_s=window, floor=floor)
+    seen: list[tuple[float, float]] = []
+    ratios: list[tuple[float, float]] = []
+    t = 0.0
+    for gap, value in steps:
+        t += 15.0 * gap
+        earlier = [v for (u, v) in seen if u <= t - lead]
+        if earlier and earlier[-1] >= floor:
+            ratios.append((t, min(4.0, value / earlier[-1])))
+        seen.append((t, value))
+        reserve.observe("svc", t, value, value)
+        expected = max([1.0, *(r for (u, r) in ratios if u >= t - window)])
+        assert reserve.factor(t) == pytest.approx(expected)
+
+
+def test_the_scaler_holds_replicas_for_the_rise_at_saturation() -> None:
+    # 70 % target, a saturated replica reads 100: 700 needs ceil(700 / 70) = 10 replicas by the target; a
+    # rise of 1.6 seen within the lead needs ceil(700 × 1.6 / 100) = 12 (11.2 rounded up)
+    spec = scaled(rise_lead_s=180.0, replica_capacity=100.0, max_replicas=50)
+    scaler = ScaledObjectScaler(spec, min_query_interval_s=0.0)
+    assert scaler.reserve is not None
+    scaler.reserve.observe("other", 0.0, 100.0, 100.0)
+    scaler.reserve.observe("other", 180.0, 160.0, 160.0)
+    scaler.replicas = 10
+    poll = scaler.poll(200.0, Source({GPU: 700.0}))
+    assert poll.report.value == pytest.approx(700.0 * 1.6 * 70.0 / 100.0)
+    assert scaler.replicas == 12
+    # no rise seen: the target's own headroom, as without the reserve
+    plain = ScaledObjectScaler(spec, min_query_interval_s=0.0)
+    plain.replicas = 10
+    plain.poll(200.0, Source({GPU: 700.0}))
+    assert plain.replicas == 10
+
+
+def test_a_rise_lead_needs_the_saturated_value() -> None:
+    with pytest.raises(ValidationError, match="replica_capacity"):
+        scaled(rise_lead_s=180.0)
+    with pytest.raises(ValidationError, match="below target"):
+        scaled(rise_lead_s=180.0, replica_capacity=50.0)

@@ -231,6 +231,23 @@ def test_a_demand_query_reports_a_crowd_the_saturated_gpus_cannot_show(
     assert any("demand query failed" in r.getMessage() for r in caplog.records)
 
 
+def test_objects_with_a_rise_lead_learn_a_flash_crowd_together(harness: Callable[..., Harness],
+                                                               stub: StubPrometheus) -> None:
+    q_chat = 'sum(DCGM_FI_DEV_GPU_UTIL{pod=~"chat-.*"})'
+    reserve: dict[str, Any] = {"rise_lead_s": 60.0, "replica_capacity": 100.0}
+    h = harness(obj(**reserve), obj("chat", query=q_chat, **reserve), obj("solo", query=q_chat))
+    stub.set(Q, vector("120"))
+    stub.set(q_chat, vector("120"))
+    assert [h.metrics(n).keda_value for n in ("llm", "chat", "solo")] == [120.0, 120.0, 120.0]
+    stub.set(Q, vector("240"))  # llm's demand doubles within the lead
+    h.clock.advance(60)
+    # llm: 240 × 2 × 60 / 100 = 288 (5 replicas at 60 %, where 240 / 60 = 4 would be short while they start);
+    # chat shares llm's reserve: 120 × 2 × 0.6 = 144; solo has no rise lead and reads its metric alone
+    assert h.metrics("llm").keda_value == pytest.approx(288.0)
+    assert h.metrics("chat").keda_value == pytest.approx(144.0)
+    assert h.metrics("solo").keda_value == 120.0
+
+
 def test_a_production_object_does_not_run_its_activation_query(harness: Callable[..., Harness],
                                                                stub: StubPrometheus) -> None:
     h = harness(obj(activation_query="sum(rate(gateway_requests_total[1m]))"))

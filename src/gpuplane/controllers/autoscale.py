@@ -251,9 +251,21 @@ class ScaledObjectSpec(BaseModel):
     fallback_replicas: int = Field(default=1, ge=1)
     failure_threshold: int = Field(default=3, ge=1)
     query_timeout_s: float = Field(default=2.0, gt=0)
+    rise_lead_s: float = Field(default=0.0, ge=0, le=3600, description=(
+        "a new replica's time from the scale-up to serving (image pull, model load, warm-up) plus the poll "
+        "interval; above 0 the scaler also holds replicas for the largest rise of demand seen within that "
+        "long (`RiseReserve`), so a flash crowd is served while the replicas it calls for start"))
+    rise_window_s: float = Field(default=86_400.0, gt=0, description="how far back the rises are remembered")
+    replica_capacity: float | None = Field(default=None, gt=0, description=(
+        "the metric's value at one saturated replica (100 for DCGM_FI_DEV_GPU_UTIL): the reserve's replicas "
+        "cover the risen demand at this value, not at `target` (which already holds its own headroom)"))
 
     @model_validator(mode="after")
     def _bounds(self) -> ScaledObjectSpec:
+        if self.rise_lead_s > 0 and self.replica_capacity is None:
+            raise ValueError("rise_lead_s needs replica_capacity (the metric's value at one saturated replica)")
+        if self.replica_capacity is not None and self.replica_capacity < self.target:
+            raise ValueError(f"replica_capacity ({self.replica_capacity}) is below target ({self.target})")
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
         if self.fallback_replicas > self.max_replicas:
@@ -293,6 +305,52 @@ class ValuePerRequest:
         if self.ratio is None or rate is None or not math.isfinite(rate) or rate <= 0:
             return value
         return max(value, rate * self.ratio)
+
+
+class RiseReserve:
+    """The largest rise of demand seen within one lead time, over a trailing window: the headroom a scaler
+    holds so that what arrives while new replicas start is served.
+
+    Each observation of an object's demand signal is compared with its value `lead_s` before (the latest
+    observation at or before then); the ratio is remembered for `window_s`, and `factor` is the largest
+    remembered (at least 1, at most `cap`). The signal should not saturate: the arrival rate where the object
+    has a demand query (a busy GPU's reading rises as its replicas start, not as demand does). One reserve may
+    be shared by several objects: a flash crowd on any of them teaches all, which a single service, seeing a
+    crowd a few times a week, would learn too late. An observation whose `level` (the object's value in
+    metric units) was below `floor` then (less than a replica's worth, a service waking from zero) is not
+    compared: its ratios say nothing of a crowd's size. Observations come in time order.
+    """
+
+    def __init__(self, lead_s: float, window_s: float, floor: float, cap: float = 4.0) -> None:
+        if lead_s <= 0 or window_s <= 0 or floor < 0 or cap < 1:
+            raise ValueError(f"lead_s and window_s must be positive, floor not negative and cap at least 1, "
+                             f"got {lead_s}, {window_s}, {floor}, {cap}")
+        self.lead_s, self.window_s, self.floor, self.cap = lead_s, window_s, floor, cap
+        self._history: dict[str, deque[tuple[float, float, float]]] = {}
+        """Per object: (time, signal, level), back to the latest at or before one lead time ago."""
+        self._rises: deque[tuple[float, float]] = deque()
+        """(time, ratio), ratios strictly falling: the window's maximum is the first."""
+
+    def observe(self, key: str, now: float, signal: float, level: float) -> None:
+        if not (math.isfinite(signal) and math.isfinite(level)) or signal < 0:
+            return
+        history = self._history.setdefault(key, deque())
+        if history and now < history[-1][0]:
+            raise ValueError(f"{key}: observation at {now} is before the last one ({history[-1][0]})")
+        then = now - self.lead_s
+        while len(history) > 1 and history[1][0] <= then:
+            history.popleft()
+        if history and history[0][0] <= then and history[0][2] >= self.floor and history[0][1] > 0:
+            ratio = min(self.cap, signal / history[0][1])
+            while self._rises and self._rises[-1][1] <= ratio:
+                self._rises.pop()
+            self._rises.append((now, ratio))
+        history.append((now, signal, level))
+
+    def factor(self, now: float) -> float:
+        while self._rises and self._rises[0][0] < now - self.window_s:
+            self._rises.popleft()
+        return max(1.0, self._rises[0][1]) if self._rises else 1.0
 
 
 class ReadingSource(enum.Enum):
@@ -385,8 +443,13 @@ class Poll:
 class ScaledObjectScaler:
     """The GPU scaler's decision path for one scaled object, clock and metric source given by the caller."""
 
-    def __init__(self, spec: ScaledObjectSpec, min_query_interval_s: float = 1.0) -> None:
+    def __init__(self, spec: ScaledObjectSpec, min_query_interval_s: float = 1.0, *,
+                 reserve: RiseReserve | None = None) -> None:
         self.spec = spec
+        if reserve is None and spec.rise_lead_s > 0:
+            reserve = rise_reserve_for(spec)
+        self.reserve = reserve
+        """Where the rises of demand are learnt (shared with other objects, or this object's own); None: off."""
         self.min_query_interval_s = min_query_interval_s
         self.policy = ScalerPolicy(spec)
         self.per_request = ValuePerRequest(spec.demand_halflife_s)
@@ -414,6 +477,7 @@ class ScaledObjectScaler:
         spec = self.spec
         value, error = read_metric(source, spec.query, spec.query_timeout_s, self.key)
         demand_error: str | None = None
+        rate: float | None = None
         if value is not None and spec.demand_query is not None:
             rate, demand_error = read_metric(source, spec.demand_query, spec.query_timeout_s, self.key)
             estimate = self.per_request.estimate(value, rate)  # a failed rate leaves the GPU value alone
@@ -429,6 +493,10 @@ class ScaledObjectScaler:
             if activity is None:  # unknown demand is not "no demand": read as activity, never as idle
                 activity = math.inf
                 activation_error = activation_error or "no value"
+        if value is not None and self.reserve is not None and math.isfinite(value):
+            self.reserve.observe(self.key, now, rate if rate is not None else value, value)
+            assert spec.replica_capacity is not None
+            value = max(value, value * self.reserve.factor(now) * spec.target / spec.replica_capacity)
         report = self.policy.observe(now, value, error, activity=activity)
         self.replicas = self._forecast(now, report)
         previous, self.report, self.read_at = self.report, report, now
@@ -445,3 +513,8 @@ class ScaledObjectScaler:
         else:  # a finite value so large that value / target overflows: as many as allowed
             wanted = hpa.max_replicas
         return self.hpa.step(now, current, wanted)
+
+
+def rise_reserve_for(spec: ScaledObjectSpec) -> RiseReserve:
+    """A reserve with the object's lead and window, comparing readings of at least one replica's target."""
+    return RiseReserve(spec.rise_lead_s, spec.rise_window_s, floor=spec.target)

@@ -48,9 +48,11 @@ from gpuplane.controllers.autoscale import (
     MetricSource,
     Poll,
     ReadingSource,
+    RiseReserve,
     ScaledObjectScaler,
     ScaledObjectSpec,
     ScalerReport,
+    rise_reserve_for,
 )
 from gpuplane.model import GpuplaneError
 from gpuplane.model.yamlfile import load_yaml_model
@@ -205,8 +207,12 @@ class GpuScaler:
         self.clock = clock
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = _Metrics(self.registry)
-        self._objects = {spec.key: _Object(spec, ScaledObjectScaler(spec, config.min_query_interval_s))
-                         for spec in config.scaled_objects}
+        # objects with the same lead, window and target learn their rises of demand together
+        reserves: dict[tuple[float, float, float], RiseReserve] = {}
+        self._objects = {spec.key: _Object(spec, ScaledObjectScaler(
+            spec, config.min_query_interval_s,
+            reserve=reserves.setdefault((spec.rise_lead_s, spec.rise_window_s, spec.target), rise_reserve_for(spec))
+            if spec.rise_lead_s > 0 else None)) for spec in config.scaled_objects}
         for spec in config.scaled_objects:
             self.metrics.errors.labels(spec.namespace, spec.name)
             self.metrics.fallback.labels(spec.namespace, spec.name)
