@@ -47,7 +47,7 @@ from gpuplane.controllers import (
     ServiceBinding,
     TidalController,
 )
-from gpuplane.controllers.autoscale import ScaledObjectScaler, ScaledObjectSpec
+from gpuplane.controllers.autoscale import RiseReserve, ScaledObjectScaler, ScaledObjectSpec
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.colocation import CardPolicy, GuardSettings, MemoryGuard
 from gpuplane.controllers.health import NodeHealthBook
@@ -76,6 +76,7 @@ from gpuplane.sim.platform.fleet import (
 from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, gpu_form, service_pools
 from gpuplane.sim.scenario import DAY_S, CheckpointingJob, WorkLedger, build_world
 from gpuplane.sim.scenario.signal import DcgmSignal, ScrapedRate, SignalSettings
+from gpuplane.sim.scenario.slo import shortfall_s
 from gpuplane.sim.scenario.world import World
 from gpuplane.sim.training_faults import TrainingFaultsSettings, bundled_library
 
@@ -226,15 +227,18 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     scalers: dict[str, _Scaled] = {}
     arrivals_rng = np.random.default_rng([s.seed, 11])
     if s.autoscale:
+        lead_s = s.startup_s + dt if s.rise_reserve else 0.0
+        reserve = RiseReserve(lead_s, DAY_S, floor=s.target_util_pct) if s.rise_reserve else None
         for svc in (*scaled, *tidal_services):  # a tidal service's count is split by the tidal controller
             query = f'sum(DCGM_FI_DEV_GPU_UTIL{{namespace="serving",pod=~"{svc.name}-.*"}})'
             arrivals = f'sum(rate(gateway_requests_total{{service="{svc.name}"}}[1m]))'
             spec = ScaledObjectSpec(name=svc.name, namespace="serving", query=query,
                                     demand_query=arrivals if s.gateway_demand else None,
-                                    target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4)
+                                    target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4,
+                                    rise_lead_s=lead_s, replica_capacity=100.0)
             dcgm = DcgmSignal(SignalSettings(), dt, signal_rng)
             gateway = ScrapedRate(dt, dt, 0.0)
-            scalers[svc.name] = _Scaled(ScaledObjectScaler(spec), dcgm, gateway,
+            scalers[svc.name] = _Scaled(ScaledObjectScaler(spec, reserve=reserve), dcgm, gateway,
                                         SimPrometheus({query: dcgm.query, arrivals: gateway.query}))
             if svc.kind == SCALED:
                 cluster.scale(svc.name, max(1, math.ceil(svc.load(0.0) / s.per_replica_capacity)))
@@ -605,11 +609,18 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     def step() -> None:
         now = loop.now()
         ready = ready_replicas(now)
+        ready_at: dict[str, list[float]] = defaultdict(list)
+        for svc_, since in serving.values():
+            ready_at[svc_.name].append(since)
+
+        def slo(svc: Service, load: float) -> None:
+            if now >= warmup:
+                run.slo_minutes += shortfall_s(load, s.per_replica_capacity, ready_at[svc.name], now, dt) / 60.0
+
         for svc in scaled:
             load = svc.load(now)
             up = ready[svc.name]
-            if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
-                run.slo_minutes += dt / 60.0
+            slo(svc, load)
             if svc.name in scalers:
                 scaled_ = scalers[svc.name]
                 scaled_.tick(now, load, up, s.per_replica_capacity, int(arrivals_rng.poisson(load * dt)))
@@ -618,8 +629,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         for svc in tidal_services:
             load = svc.load(now)
             up = ready[svc.name]
-            if now >= warmup and load > up * s.per_replica_capacity * (1 + 1e-9):
-                run.slo_minutes += dt / 60.0
+            slo(svc, load)
             if svc.name in scalers:  # the tidal controller applies the count (and holds its floor)
                 scalers[svc.name].tick(now, load, up, s.per_replica_capacity, int(arrivals_rng.poisson(load * dt)))
         if tidal is not None:
