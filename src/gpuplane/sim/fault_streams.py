@@ -49,12 +49,13 @@ NODE_DOWN = frozenset({"host_maintenance", "host_hardware"})
 
 ROOT_CAUSES: dict[str, tuple[str, ...]] = {
     # Llama 3 Table 5's GPU rows (faulty GPU, HBM3, SRAM, GSP, thermal): Xid and CUDA-level evidence
-    "gpu": ("xid-79", "gpu-fallen-off-bus", "xid-48", "ecc-double-bit", "xid-94", "xid-95", "xid-64",
+    "gpu": ("xid-79", "gpu-fallen-off-bus", "xid-48", "ecc-double-bit", "xid-95", "xid-64",
             "row-remap-failure", "cuda-uncorrectable-ecc", "hbm-uncorrectable", "xid-119", "gsp-rpc-timeout",
             "xid-46", "xid-62", "xid-109", "xid-154-recovery-action", "gpu-missing", "xid-74", "nvlink-error"),
     # software and dependency failures that a restart gets past (a deterministic user error does not
-    # appear halfway through a long run)
-    "software": ("nan-loss", "nan-local-grad", "segfault", "heap-corruption", "xid-13", "xid-31",
+    # appear halfway through a long run), and Xid 94, a contained ECC error: RESTART_APP in NVIDIA's
+    # catalogue, only the application that touched the bad memory dies and the node stays
+    "software": ("xid-94", "nan-loss", "nan-local-grad", "segfault", "heap-corruption", "xid-13", "xid-31",
                  "stale-file-handle", "object-store-transient", "storage-io-error"),
     # switch, cable and NIC faults on the node's links
     "network": ("ib-link-down", "ib-port-state", "net-ib-completion-error", "nvswitch-sxid-fatal"),
