@@ -294,8 +294,8 @@ def test_the_rise_reserve_serves_flash_crowds_at_the_cost_of_replicas() -> None:
     short and more inference GPU-hours are held. Bigger crowds teach a bigger reserve: more GPU-hours."""
     crowded: dict[str, Any] = {**TINY, "days": 1.0, "bursts_per_day": 6.0}
     plain = run_arm(PlatformSettings(**{**crowded, "rise_reserve": False}))
-    held = run_arm(PlatformSettings(**crowded))
-    bigger = run_arm(PlatformSettings(**{**crowded, "burst_factor": 2.4}))
+    held = run_arm(PlatformSettings(**{**crowded, "rise_reserve": True}))
+    bigger = run_arm(PlatformSettings(**{**crowded, "rise_reserve": True, "burst_factor": 2.4}))
     assert plain.slo_minutes > 0
     assert held.slo_minutes < plain.slo_minutes
     assert held.inference_gpu_h > plain.inference_gpu_h
