@@ -108,6 +108,9 @@ def test_gpuplane_dra_plugin_serves_publishes_and_ends_on_sigterm(tmp_path: Path
                        timeout_s=60)
             assert get_info(registration).endpoint == str(tmp_path / "plugins" / DRIVER / "dra.sock")
             assert vgpu_shares(server) == {"4"}  # the pool's split from the first publish
+            # the fake's NVML driver version, "550.54.15", as a semantic version on every device
+            assert {(d["attributes"].get("driverVersion") or {}).get("version") for s in slices(server)
+                    for d in s["spec"].get("devices", [])} == {"550.54.15"}
             server.api.patch(GPU_POOL.path(name="p"), {"spec": {"split": 2}})
             wait_until(lambda: vgpu_shares(server) == {"2"}, "the pool's new split in the slices")
             returncode, output = sigterm(child)

@@ -127,6 +127,7 @@ class FakeNvml:
         fn("nvmlEventSetWait_v2", self._wait)
         fn("nvmlEventSetFree", self._free)
         fn("nvmlDeviceGetIndex", lambda h: int(h.removeprefix("handle-")))
+        fn("nvmlSystemGetDriverVersion", lambda: "550.54.15")
 
     def _shutdown(self) -> None:
         self.shutdowns += 1
@@ -174,6 +175,14 @@ def test_nvml_reading_maps_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
         # 312 456 mW -> 312.456 W; Xids are not watched unless asked for
         pci_bus_id="00000000:3B:00.0", temperature_c=41.0, power_w=312.456, gr_engine_active=None, xid_last=None,
     )
+
+
+def test_nvml_driver_version_is_the_system_call_and_a_failure_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNvml().install(monkeypatch)
+    assert NvmlBackend().driver_version() == "550.54.15"
+    FakeNvml(errors={"nvmlSystemGetDriverVersion": pynvml.NVMLError_Uninitialized()}).install(monkeypatch)
+    with pytest.raises(GpuBackendError, match="nvmlSystemGetDriverVersion"):
+        NvmlBackend().driver_version()
 
 
 def test_nvml_not_supported_reads_as_none(monkeypatch: pytest.MonkeyPatch) -> None:

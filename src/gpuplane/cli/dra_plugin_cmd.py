@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:
                     fail("the cards are of no catalog model (or of several): no ResourceSlices to publish")
                 publisher = SlicePublisher(api, backend, backend.describe, plugin.model,
                                            SliceSettings(node, split=split, mig_mode=mode, unhealthy=policy,
+                                                         driver_version=backend.driver_version(),
                                                          node_uid=node_uid(api, node)))
                 follow_pool(pools, functools.partial(set_sharing, publisher), stop)
                 err.print(f"DRA driver {settings.driver} on {node} ({plugin.model.name} cards): registration "

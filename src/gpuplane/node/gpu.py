@@ -138,6 +138,10 @@ class DeviceBackend(GpuBackend, Protocol):
         """Every card's identity and place, in index order."""
         ...
 
+    def driver_version(self) -> str:
+        """The kernel driver's version as NVML reports it ("550.54.15")."""
+        ...
+
     def set_mig_mode(self, card: int, enabled: bool) -> bool:
         """Ask for MIG mode on or off; True when it is in effect now, False while it waits for a GPU reset."""
         ...
@@ -386,6 +390,9 @@ class NvmlBackend:
                     direct[peer].add(index)
         return [tuple(sorted((direct[i] | (switched if i in switched else set())) - {i})) for i in range(len(handles))]
 
+    def driver_version(self) -> str:
+        return _text(_nvml("nvmlSystemGetDriverVersion", pynvml.nvmlSystemGetDriverVersion))
+
     def set_mig_mode(self, card: int, enabled: bool) -> bool:
         handle = self._handle(card)
         wanted = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
@@ -529,12 +536,12 @@ class FakeGpuBackend:
     with `mig_enabled`); creating one refuses what the driver refuses (`gpuplane.model.mig.mig_layout_problems`
     of the instances present and the new one): Invalid Argument for a profile or start the card never takes,
     Insufficient Resources for one that does not fit next to the others. `numa` gives each card's NUMA
-    node, `nvlink_groups` the cards joined by NVLink."""
+    node, `nvlink_groups` the cards joined by NVLink, `driver_version` what NVML's system call returns."""
 
     def __init__(self, cards: int = 1, total_bytes: int | Sequence[int] = 80 * GIB, *, name: str = "Fake GPU",
                  uuid_prefix: str = "fake", numa: Sequence[int] | None = None,
                  nvlink_groups: Sequence[Sequence[int]] = (), mig_model: CardModel | None = None,
-                 mig_enabled: bool = False) -> None:
+                 mig_enabled: bool = False, driver_version: str = "550.54.15") -> None:
         totals = [total_bytes] * cards if isinstance(total_bytes, int) else list(total_bytes)
         if len(totals) != cards:
             raise ValueError(f"total_bytes: {len(totals)} values for {cards} cards")
@@ -552,6 +559,7 @@ class FakeGpuBackend:
             for card in group:
                 self._peers[card] |= set(group) - {card}
         self._mig_model = mig_model
+        self._driver_version = driver_version
         self._lock = threading.Lock()
         self._failures = 0
         self.reads = 0
@@ -600,6 +608,9 @@ class FakeGpuBackend:
                              numa=None if self._numa is None else self._numa[i],
                              nvlink_peers=tuple(sorted(self._peers[i])), mig_enabled=card.mig_enabled)
                     for i, card in enumerate(self._cards)]
+
+    def driver_version(self) -> str:
+        return self._driver_version
 
     def set_mig_mode(self, card: int, enabled: bool) -> bool:
         with self._lock:
