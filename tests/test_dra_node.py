@@ -128,3 +128,45 @@ def test_gpuplane_dra_plugin_refuses_bad_flags(tmp_path: Path) -> None:
     for flags, message in ((["--mig-mode", "half"], "--mig-mode"), (["--unhealthy", "hide"], "--unhealthy")):
         result = runner.invoke(app, ["dra-plugin", "--node-name", NODE, *flags])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_kubelet_watching_device_health_sees_every_device_and_a_critical_xid(tmp_path: Path) -> None:
+    """`dra-health/v1` on the DRA endpoint: the first response lists every device the pool publishes, healthy;
+    a critical Xid on card 1 sends a new list at the next tick with card 1's devices (whole card, MIG slices,
+    vGPU share) UNHEALTHY and card 0's still HEALTHY; a quiet stream is resent after `resend_s`."""
+    from gpuplane.node.dra_health import health_protocol
+
+    backend = FakeGpuBackend(2, 80 * GIB, name="NVIDIA A100-SXM4-80GB", mig_model=A100)
+    settings = DraSettings(NODE, registry_dir=tmp_path / "reg", plugins_dir=tmp_path / "plugins",
+                           cdi_dir=tmp_path / "cdi")
+    wire = health_protocol()
+    with FakeApiServer() as server:
+        server.add_node(node_json(NODE))
+        plugin = DraPlugin(settings, backend, MemoryClaimSource(), clock=lambda: 1_700_000_000.0,
+                           health_resend_s=1.0)
+        plugin.start()
+        try:
+            assert plugin.model is not None
+            publisher = SlicePublisher(server.api, backend, backend.describe, plugin.model, SliceSettings(NODE),
+                                       health_book=plugin.health_book)
+            publisher.tick()
+            published = {d["name"] for s in slices(server) for d in s["spec"].get("devices", [])}
+            with grpc.insecure_channel(f"unix://{settings.endpoint}") as channel:
+                stream = wire.services.DRAResourceHealthStub(channel).NodeWatchResources(
+                    wire.messages.NodeWatchResourcesRequest(), timeout=30)
+                first = next(stream)
+                assert {d.device.device_name for d in first.devices} == published
+                assert {(d.device.pool_name, d.health, d.last_updated_time) for d in first.devices} == {
+                    (NODE, wire.messages.HEALTHY, 1_700_000_000)}
+                backend.set_xid(1, 79)  # fallen off the bus: critical
+                publisher.tick()
+                second = next(stream)
+                health = {d.device.device_name: d.health for d in second.devices}
+                sick = {n for n, h in health.items() if h == wire.messages.UNHEALTHY}
+                assert sick and all(n.startswith("gpu-1") for n in sick)
+                assert sick == {n for n in published if n.startswith("gpu-1")}
+                assert {health[n] for n in published - sick} == {wire.messages.HEALTHY}
+                assert next(stream).devices == second.devices  # nothing changed: resent after 1 s
+                stream.cancel()
+        finally:
+            plugin.stop()

@@ -90,7 +90,8 @@ def register(app: typer.Typer) -> None:
                 publisher = SlicePublisher(api, backend, backend.describe, plugin.model,
                                            SliceSettings(node, split=split, mig_mode=mode, unhealthy=policy,
                                                          driver_version=backend.driver_version(),
-                                                         node_uid=node_uid(api, node)))
+                                                         node_uid=node_uid(api, node)),
+                                           health_book=plugin.health_book)
                 follow_pool(pools, functools.partial(set_sharing, publisher), stop)
                 err.print(f"DRA driver {settings.driver} on {node} ({plugin.model.name} cards): registration "
                           f"{settings.registration_socket}, endpoint {settings.endpoint}")

@@ -32,7 +32,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from gpuplane.node.allocation import (
     prepare_host,
 )
 from gpuplane.node.device_plugin import Wire, node_model
+from gpuplane.node.dra_health import HealthBook, HealthService
 from gpuplane.node.dra_slices import DRIVER, DeviceKind, parse_device_name
 from gpuplane.node.gpu import CardInfo, DeviceBackend, GpuBackendError
 
@@ -241,12 +243,16 @@ def _quantity_int(raw: object, what: str) -> int:
 
 
 class DraPlugin:
-    """The `Registration` and `DRAPlugin` services. Methods named like the RPCs are the servicers; `start`,
-    `tick` and `stop` drive them."""
+    """The `Registration`, `DRAPlugin` and `DRAResourceHealth` services. Methods named like the RPCs are the
+    servicers (the health stream's is `HealthService`'s); `start`, `tick` and `stop` drive them."""
 
     def __init__(self, settings: DraSettings, backend: DeviceBackend, claims: ClaimSource, *,
-                 catalog: Catalog | None = None, max_workers: int = 8) -> None:
+                 catalog: Catalog | None = None, max_workers: int = 8, clock: Callable[[], float] = time.time,
+                 health_resend_s: float = 10.0) -> None:
         self.settings = settings
+        self.health_book = HealthBook(clock)
+        """The devices' health, filled by the slice publisher and streamed to kubelet (`DRAResourceHealth`)."""
+        self._health = HealthService(self.health_book, resend_s=health_resend_s)
         self.backend = backend
         self.claims = claims
         self.catalog = catalog if catalog is not None else default_catalog()
@@ -287,6 +293,7 @@ class DraPlugin:
             self._serve()
 
     def stop(self) -> None:
+        self.health_book.close()
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
             self._server = None
@@ -314,6 +321,7 @@ class DraPlugin:
         registration, dra = registration_protocol(), dra_protocol()
         registration.services.add_RegistrationServicer_to_server(self, server)
         dra.services.add_DRAPluginServicer_to_server(self, server)
+        self._health.add_to(server)
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)

@@ -48,6 +48,7 @@ from gpuplane.kube.api import KubeApi
 from gpuplane.kube.dra import DRIVER, PCIE_ROOT, DeviceKind, DeviceRef, device_name, parse_device_name
 from gpuplane.model import MILLI_PER_CARD, CardModel, Catalog, MigMode, MigProfile, NodeSpec
 from gpuplane.node.device_plugin import _nvlink_groups
+from gpuplane.node.dra_health import HealthBook
 from gpuplane.node.gpu import CardInfo, GpuBackend, GpuBackendError
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "UnhealthyPolicy",
     "card_health",
     "counter_set_name",
+    "device_health",
     "device_name",
     "parse_device_name",
     "pcie_root",
@@ -322,8 +324,11 @@ class SlicePublisher:
     publishes them. `settings` may be replaced between ticks (a new split or MIG mode from the node's GpuPool)."""
 
     def __init__(self, api: KubeApi, backend: GpuBackend, describe: Callable[[], list[CardInfo]], model: CardModel,
-                 settings: SliceSettings, *, pcie_roots: Mapping[int, str] | None = None) -> None:
+                 settings: SliceSettings, *, pcie_roots: Mapping[int, str] | None = None,
+                 health_book: HealthBook | None = None) -> None:
         self.api = api
+        self.health_book = health_book
+        """Where each tick also records every device's health (kubelet's `dra-health/v1` stream reads it)."""
         self.backend = backend
         self._describe = describe
         self.model = model
@@ -341,7 +346,25 @@ class SlicePublisher:
             log.warning("cannot describe the cards (%s): publishing the last description", exc)
         health = card_health(self.backend, self._infos)
         slices = resource_slices(self._infos, self.model, self.settings, health=health, pcie_roots=self._pcie_roots)
+        if self.health_book is not None:
+            self.health_book.update(self.settings.node_name, device_health(self._infos, self.model, self.settings,
+                                                                           health, self._pcie_roots))
         return publish_slices(self.api, self.settings.node_name, slices)
+
+
+def device_health(infos: Sequence[CardInfo], model: CardModel, settings: SliceSettings, health: Mapping[str, bool],
+                  pcie_roots: Mapping[int, str] | None = None) -> dict[str, tuple[bool, str]]:
+    """Every device the pool would hold with all cards healthy → (healthy, message) from its card's health, so a
+    device the slices leave out (`UnhealthyPolicy.OMIT`) is reported unhealthy rather than vanishing."""
+    uuids = {i.index: i.uuid for i in infos}
+    out: dict[str, tuple[bool, str]] = {}
+    for piece in resource_slices(infos, model, settings, pcie_roots=pcie_roots):
+        for device in piece["spec"].get("devices", []):
+            ref = parse_device_name(device["name"])
+            uuid = uuids.get(ref.card) if ref is not None else None
+            ok = uuid is not None and health.get(uuid, False)
+            out[device["name"]] = (ok, "" if ok else f"card {uuid}: no NVML reading or a critical Xid")
+    return out
 
 
 def spec_slices(spec: NodeSpec, catalog: Catalog, *, split: int = 10, generation: int = 1) -> list[dict[str, Any]]:
