@@ -1,6 +1,7 @@
 """The DRA plugin's protocol files against upstream kubelet's: the wire items (package, services, RPCs and their
-types, messages, field names, numbers, types and labels) of `draplugin.proto` and `pluginregistration.proto`,
-as grpc_tools compiles them, must equal those transcribed from the upstream files (tests/fixtures/dra_wire.json)."""
+types, messages, field names, numbers, types and labels, enums) of `draplugin.proto`, `pluginregistration.proto`
+and `drahealth.proto`, as grpc_tools compiles them, must equal those transcribed from the upstream files
+(tests/fixtures/dra_wire.json)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
+from gpuplane.node.dra_health import health_protocol
 from gpuplane.node.dra_plugin import DRA_PLUGIN_SERVICE, PLUGIN_TYPE, dra_protocol, registration_protocol
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dra_wire.json"
@@ -32,6 +34,8 @@ def _field(f: Any) -> list[Any]:
 
 
 def _type(f: Any) -> str:
+    if f.enum_type is not None:
+        return str(f.enum_type.name)
     return f.message_type.name if f.message_type is not None else _TYPES[f.type]
 
 
@@ -41,7 +45,10 @@ def wire_items(file: Any) -> dict[str, Any]:
                          for m in s.methods}
                 for s in file.services_by_name.values()}
     messages = {m.name: {f.name: _field(f) for f in m.fields} for m in file.message_types_by_name.values()}
-    return {"package": file.package, "services": services, "messages": messages}
+    items = {"package": file.package, "services": services, "messages": messages}
+    if file.enum_types_by_name:
+        items["enums"] = {e.name: {v.name: v.number for v in e.values} for e in file.enum_types_by_name.values()}
+    return items
 
 
 def differences(ours: dict[str, Any], upstream: dict[str, Any], where: str = "") -> list[str]:
@@ -60,7 +67,8 @@ def differences(ours: dict[str, Any], upstream: dict[str, Any], where: str = "")
 
 
 OURS = {"draplugin.proto": dra_protocol().messages.DESCRIPTOR,
-        "pluginregistration.proto": registration_protocol().messages.DESCRIPTOR}
+        "pluginregistration.proto": registration_protocol().messages.DESCRIPTOR,
+        "drahealth.proto": health_protocol().messages.DESCRIPTOR}
 
 
 @pytest.mark.parametrize("name", sorted(OURS))
@@ -82,6 +90,8 @@ def test_the_registration_constants_are_upstream_s() -> None:
      ["NodePrepareResourcesRequest", "NodePrepareResourcesResponse", False, True],
      "/services/DRAPlugin/NodePrepareResources"),
     (("pluginregistration.proto", "package"), "v1", "/package"),
+    # an enum value renumbered
+    (("drahealth.proto", "enums", "HealthStatus", "UNHEALTHY"), 3, "/enums/HealthStatus/UNHEALTHY"),
 ])
 def test_the_diff_finds_a_changed_wire_item(path: tuple[str, ...], value: Any, expected: str) -> None:
     upstream = copy.deepcopy(UPSTREAM["files"])
