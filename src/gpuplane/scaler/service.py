@@ -209,10 +209,16 @@ class GpuScaler:
         self.metrics = _Metrics(self.registry)
         # objects with the same lead, window and target learn their rises of demand together
         reserves: dict[tuple[float, float, float], RiseReserve] = {}
-        self._objects = {spec.key: _Object(spec, ScaledObjectScaler(
-            spec, config.min_query_interval_s,
-            reserve=reserves.setdefault((spec.rise_lead_s, spec.rise_window_s, spec.target), rise_reserve_for(spec))
-            if spec.rise_lead_s > 0 else None)) for spec in config.scaled_objects}
+        self._objects: dict[str, _Object] = {}
+        for spec in config.scaled_objects:
+            reserve = None
+            if spec.rise_lead_s > 0:
+                shared = (spec.rise_lead_s, spec.rise_window_s, spec.target)
+                if shared not in reserves:
+                    reserves[shared] = rise_reserve_for(spec)
+                reserve = reserves[shared]
+            self._objects[spec.key] = _Object(spec, ScaledObjectScaler(spec, config.min_query_interval_s,
+                                                                       reserve=reserve))
         for spec in config.scaled_objects:
             self.metrics.errors.labels(spec.namespace, spec.name)
             self.metrics.fallback.labels(spec.namespace, spec.name)

@@ -47,7 +47,7 @@ from gpuplane.controllers import (
     ServiceBinding,
     TidalController,
 )
-from gpuplane.controllers.autoscale import RiseReserve, ScaledObjectScaler, ScaledObjectSpec
+from gpuplane.controllers.autoscale import RiseReserve, ScaledObjectScaler, ScaledObjectSpec, rise_reserve_for
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.colocation import CardPolicy, GuardSettings, MemoryGuard
 from gpuplane.controllers.health import NodeHealthBook
@@ -228,7 +228,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     arrivals_rng = np.random.default_rng([s.seed, 11])
     if s.autoscale:
         lead_s = s.startup_s + dt if s.rise_reserve else 0.0
-        reserve = RiseReserve(lead_s, DAY_S, floor=s.target_util_pct) if s.rise_reserve else None
+        reserve: RiseReserve | None = None
         for svc in (*scaled, *tidal_services):  # a tidal service's count is split by the tidal controller
             query = f'sum(DCGM_FI_DEV_GPU_UTIL{{namespace="serving",pod=~"{svc.name}-.*"}})'
             arrivals = f'sum(rate(gateway_requests_total{{service="{svc.name}"}}[1m]))'
@@ -236,6 +236,8 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                     demand_query=arrivals if s.gateway_demand else None,
                                     target=s.target_util_pct, max_replicas=4 * svc.peak_replicas + 4,
                                     rise_lead_s=lead_s, replica_capacity=100.0)
+            if lead_s > 0 and reserve is None:  # one reserve, shared by every service
+                reserve = rise_reserve_for(spec)
             dcgm = DcgmSignal(SignalSettings(), dt, signal_rng)
             gateway = ScrapedRate(dt, dt, 0.0)
             scalers[svc.name] = _Scaled(ScaledObjectScaler(spec, reserve=reserve), dcgm, gateway,
@@ -599,19 +601,22 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
         for task in open_boxes[: max(0, len(open_boxes) - want)]:
             stop(task, 0.0, "closed")
 
-    def ready_replicas(now: float) -> dict[str, int]:
-        """Service → its replicas serving now (bound and started)."""
-        ready: dict[str, int] = defaultdict(int)
-        for svc_, since in serving.values():
-            ready[svc_.name] += since <= now
-        return ready
-
-    def step() -> None:
-        now = loop.now()
-        ready = ready_replicas(now)
+    def ready_times() -> dict[str, list[float]]:
+        """Service → when each of its bound replicas serves (a time after now: still starting)."""
         ready_at: dict[str, list[float]] = defaultdict(list)
         for svc_, since in serving.values():
             ready_at[svc_.name].append(since)
+        return ready_at
+
+    def ready_replicas(now: float, ready_at: dict[str, list[float]] | None = None) -> dict[str, int]:
+        """Service → its replicas serving now (bound and started)."""
+        times = ready_times() if ready_at is None else ready_at
+        return defaultdict(int, {name: sum(t <= now for t in ts) for name, ts in times.items()})
+
+    def step() -> None:
+        now = loop.now()
+        ready_at = ready_times()
+        ready = ready_replicas(now, ready_at)
 
         def slo(svc: Service, load: float) -> None:
             if now >= warmup:
