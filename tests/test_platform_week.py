@@ -270,11 +270,14 @@ def test_nearline_work_on_the_l40s_cards_fills_them_and_leaves_lending_alone() -
     the tidal services leave by day sit empty; on the stable subset's too (the default), those are allocated
     and busy and nothing is lent differently; on the tidal subset's too, its cards are as well, the tidal
     controller still lends its nodes at night (it evicts the near-line pods there), and no near-line pod is
-    ever bound onto a lent node."""
+    ever bound onto a lent node. The tidal replicas stay on their own subset here (no overflow onto the stable
+    nodes, whose free cards near-line work changes), so the tidal subset's cards see near-line placement alone."""
     landed: list[str] = []
-    narrow = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "none"}))
-    stable = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "stable"}))
-    wide = run_arm(PlatformSettings(**{**TINY, "nearline_l40s": "all"}), lambda w: _nearline_on_lent_nodes(w, landed))
+    confined: dict[str, Any] = {**TINY, "tidal_overflow": False}
+    narrow = run_arm(PlatformSettings(**{**confined, "nearline_l40s": "none"}))
+    stable = run_arm(PlatformSettings(**{**confined, "nearline_l40s": "stable"}))
+    wide = run_arm(PlatformSettings(**{**confined, "nearline_l40s": "all"}),
+                   lambda w: _nearline_on_lent_nodes(w, landed))
     assert sum(stable.alloc["inference-stable"]) > sum(narrow.alloc["inference-stable"])
     assert sum(stable.util["inference-stable"]) > sum(narrow.util["inference-stable"])
     # the tidal subset's cards as without (their replicas follow the same load; the training draws may differ)
@@ -300,3 +303,16 @@ def test_the_rise_reserve_serves_flash_crowds_at_the_cost_of_replicas() -> None:
     assert held.slo_minutes < plain.slo_minutes
     assert held.inference_gpu_h > plain.inference_gpu_h
     assert bigger.inference_gpu_h > held.inference_gpu_h
+
+
+def test_a_tidal_peak_beyond_the_tidal_nodes_takes_the_stable_nodes_spare_cards() -> None:
+    """The assumption of where a tidal service's replicas may run, moved: confined to the tidal subset, a peak
+    (or a flash crowd) beyond its cards waits while the stable subset's cards hold batch fillers; allowed the
+    stable subset too, those replicas preempt the fillers at once, so fewer minutes are short of capacity and
+    pending online pods (shortage), at about the same inference GPU-hours."""
+    crowded: dict[str, Any] = {**TINY, "days": 1.0, "bursts_per_day": 6.0}
+    confined = run_arm(PlatformSettings(**{**crowded, "tidal_overflow": False}))
+    spilled = run_arm(PlatformSettings(**{**crowded, "tidal_overflow": True}))
+    assert spilled.slo_minutes < confined.slo_minutes
+    assert spilled.shortage_minutes < confined.shortage_minutes
+    assert spilled.inference_gpu_h == pytest.approx(confined.inference_gpu_h, rel=0.05)

@@ -47,6 +47,9 @@ class PlatformSettings(WorldSettings):
     t4_nodes: int = Field(default=150, ge=0, description="inference nodes of 8 T4")
     l40s_nodes: int = Field(default=200, ge=2, description="inference nodes of 8 L40S (the tidal services)")
     stable_share: float = Field(default=0.25, gt=0, lt=1, description="share of L40S nodes never lent")
+    tidal_overflow: bool = Field(default=True, description=(
+        "a tidal service's replicas above its floor may use the stable subset's nodes too (a peak beyond the "
+        "tidal nodes preempts the fillers there); off: the tidal subset's only, and such a peak waits"))
     a30_nodes: int = Field(default=200, ge=0, description="dev nodes of 4 A30-24GB")
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     dev_gpus_per_node: int = Field(default=4, ge=1, le=16)

@@ -80,8 +80,14 @@ def build_services(s: PlatformSettings, rng: np.random.Generator) -> list[Servic
     return services
 
 
-def service_pools(service: Service) -> Mapping[str, frozenset[str]]:
-    """Workload name → the pools its replicas may use."""
+def service_pools(service: Service, overflow: bool = True) -> Mapping[str, frozenset[str]]:
+    """Workload name → the pools its replicas may use.
+
+    A tidal service's floor stays on the stable subset; the replicas above it may use either subset, so a
+    peak beyond the tidal nodes takes the stable nodes' spare cards (preempting the fillers there) instead of
+    waiting (without `overflow`: the tidal subset's only). Lending is unaffected: it takes only tidal nodes
+    without online pods."""
     if service.kind == TIDAL:
-        return {f"{service.name}-stable": frozenset({STABLE_POOL}), f"{service.name}-tidal": frozenset({TIDAL_POOL})}
+        return {f"{service.name}-stable": frozenset({STABLE_POOL}),
+                f"{service.name}-tidal": frozenset({TIDAL_POOL, STABLE_POOL} if overflow else {TIDAL_POOL})}
     return {service.name: frozenset({INFERENCE_POOL})}
