@@ -147,6 +147,13 @@ def test_the_board_over_a_cluster_shows_the_schedulers_reasons_and_the_queues_qu
                 wait_for(lambda: "default/wait-1" not in watch.cluster.pending_reasons(), "the deletion")
 
 
+def _judged(fake: FakeApiServer, names: list[str]) -> bool:
+    """Whether gpuplane-scheduler has written a PodScheduled condition on every named pod of "default"."""
+    return all(any(c.get("type") == "PodScheduled"
+                   for c in (fake.get("pods", f"default/{name}") or {}).get("status", {}).get("conditions", []))
+               for name in names)
+
+
 def test_the_board_shows_the_reason_gpuplane_scheduler_wrote() -> None:
     with FakeApiServer() as fake:
         for i in range(2):
@@ -155,8 +162,7 @@ def test_the_board_shows_the_reason_gpuplane_scheduler_wrote() -> None:
         try:
             mode.tick()
             fake.api.create(PODS, scheduler_pod("big", cards=16))
-            settle([mode], lambda: any(c.get("type") == "PodScheduled" for c in
-                                       (fake.get("pods", "default/big") or {}).get("status", {}).get("conditions", [])))
+            settle([mode], lambda: _judged(fake, ["big"]))
             with ClusterWatch(fake.api, CATALOG, sample_s=3600, sync_timeout_s=20) as watch:
                 # 2 A100 nodes of 8 cards, 16 asked: "0/2 nodes are available: 2 insufficient idle GPUs. …"
                 wait_for(lambda: watch.board.state()["reasons"] == {"insufficient idle GPUs": 1}, "the reason")
@@ -210,12 +216,7 @@ def test_both_worlds_count_the_same_pods_reasons_per_class_alike() -> None:
             mode.tick()
             for request in _same_requests():
                 fake.api.create(PODS, pod_manifest(request, scheduler_name=DEFAULT_SCHEDULER_NAME))
-
-            def judged() -> bool:
-                return all(any(c.get("type") == "PodScheduled" for c in (fake.get("pods", f"default/{name}") or {})
-                               .get("status", {}).get("conditions", [])) for name, *_ in SAME_PODS)
-
-            settle([mode], judged)
+            settle([mode], lambda: _judged(fake, [name for name, *_ in SAME_PODS]))
             with ClusterWatch(fake.api, CATALOG, sample_s=3600, sync_timeout_s=20) as watch:
                 wait_for(lambda: len(watch.cluster.pending_reasons()) == len(SAME_PODS), "the reasons")
                 kube = watch.board.state()
