@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,8 +20,8 @@ from gpuplane.model import Fraction, WholeCards, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, TRAINING
 from gpuplane.port import ClusterEvent, EventKind
 from gpuplane.sim.platform import CAPABILITIES, SCENARIO, PlatformSettings, build_fleet, run_arm
-from gpuplane.sim.platform.fleet import DEV_POOL, TIDAL_POOL, TRAINING_POOL, pool_configs
-from gpuplane.sim.platform.work import gpu_form
+from gpuplane.sim.platform.fleet import DEV_POOL, INFERENCE_POOL, STABLE_POOL, TIDAL_POOL, TRAINING_POOL, pool_configs
+from gpuplane.sim.platform.work import SCALED, TIDAL, Service, build_services, gpu_form, service_pools
 from gpuplane.sim.scenario.kit import check_scenario
 from gpuplane.sim.scenario.world import World
 
@@ -316,3 +317,23 @@ def test_a_tidal_peak_beyond_the_tidal_nodes_takes_the_stable_nodes_spare_cards(
     assert spilled.slo_minutes < confined.slo_minutes
     assert spilled.shortage_minutes < confined.shortage_minutes
     assert spilled.inference_gpu_h == pytest.approx(confined.inference_gpu_h, rel=0.05)
+
+
+# (kind, lending, overflow) -> the pools of the service's workloads (name suffix -> pools)
+BOTH = {STABLE_POOL, TIDAL_POOL}
+POOLS_OF = [
+    (TIDAL, True, True, {"-stable": {STABLE_POOL}, "-tidal": BOTH}),  # the floor at home, the rest spills over
+    (TIDAL, True, False, {"-stable": {STABLE_POOL}, "-tidal": {TIDAL_POOL}}),  # confined to each subset
+    (TIDAL, False, True, {"-stable": BOTH, "-tidal": BOTH}),  # nothing lent: one pool to both workloads
+    (TIDAL, False, False, {"-stable": BOTH, "-tidal": BOTH}),
+    (SCALED, True, True, {"": {INFERENCE_POOL}}),  # A10/T4 services: one workload on the inference pool
+    (SCALED, False, False, {"": {INFERENCE_POOL}}),
+]
+
+
+@pytest.mark.parametrize(("kind", "lending", "overflow", "expected"), POOLS_OF)
+def test_where_a_services_replicas_may_run(kind: str, lending: bool, overflow: bool,
+                                           expected: dict[str, set[str]]) -> None:
+    svc: Service = next(x for x in build_services(PlatformSettings(**TINY), np.random.default_rng(1)) if x.kind == kind)
+    pools = service_pools(svc, lending=lending, overflow=overflow)
+    assert {name.removeprefix(svc.name): set(allowed) for name, allowed in pools.items()} == expected

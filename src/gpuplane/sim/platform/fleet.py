@@ -49,7 +49,8 @@ class PlatformSettings(WorldSettings):
     stable_share: float = Field(default=0.25, gt=0, lt=1, description="share of L40S nodes never lent")
     tidal_overflow: bool = Field(default=True, description=(
         "a tidal service's replicas above its floor may use the stable subset's nodes too (a peak beyond the "
-        "tidal nodes preempts the fillers there); off: the tidal subset's only, and such a peak waits"))
+        "tidal nodes preempts the fillers there); off: the tidal subset's only, and such a peak waits. Without "
+        "tidal lending both subsets are one pool to both workloads"))
     a30_nodes: int = Field(default=200, ge=0, description="dev nodes of 4 A30-24GB")
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     dev_gpus_per_node: int = Field(default=4, ge=1, le=16)

@@ -215,7 +215,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     tidal_services = [svc for svc in services if svc.kind == TIDAL]
     by_workload: dict[str, Service] = {}
     for svc in services:
-        for workload, allowed in service_pools(svc, s.tidal_overflow).items():
+        for workload, allowed in service_pools(svc, lending=s.tidal, overflow=s.tidal_overflow).items():
             template = PodRequest(workload, cpu_milli=4000, memory_mib=16_384,
                                   gpu=gpu_form(s, svc.model, svc.need_milli), priority_class=ONLINE, qos=QoS.ONLINE,
                                   pools=allowed, models=frozenset({svc.model}))

@@ -80,14 +80,18 @@ def build_services(s: PlatformSettings, rng: np.random.Generator) -> list[Servic
     return services
 
 
-def service_pools(service: Service, overflow: bool = True) -> Mapping[str, frozenset[str]]:
+def service_pools(service: Service, *, lending: bool = True, overflow: bool = True) -> Mapping[str, frozenset[str]]:
     """Workload name → the pools its replicas may use.
 
-    A tidal service's floor stays on the stable subset; the replicas above it may use either subset, so a
-    peak beyond the tidal nodes takes the stable nodes' spare cards (preempting the fillers there) instead of
-    waiting (without `overflow`: the tidal subset's only). Lending is unaffected: it takes only tidal nodes
-    without online pods."""
+    With `lending`, a tidal service's floor stays on the stable subset (never lent); the replicas above it may
+    use either subset with `overflow`, so a peak beyond the tidal nodes takes the stable nodes' spare cards
+    (preempting the fillers there) instead of waiting, or the tidal subset's only without. Lending takes only
+    tidal nodes without online pods either way. Without lending nothing tells the subsets apart: both
+    workloads may use every node of either, as one Deployment over the L40S nodes would."""
     if service.kind == TIDAL:
+        both = frozenset({TIDAL_POOL, STABLE_POOL})
+        if not lending:
+            return {f"{service.name}-stable": both, f"{service.name}-tidal": both}
         return {f"{service.name}-stable": frozenset({STABLE_POOL}),
-                f"{service.name}-tidal": frozenset({TIDAL_POOL, STABLE_POOL} if overflow else {TIDAL_POOL})}
+                f"{service.name}-tidal": both if overflow else frozenset({TIDAL_POOL})}
     return {service.name: frozenset({INFERENCE_POOL})}
