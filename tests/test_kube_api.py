@@ -545,6 +545,33 @@ def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> Non
         informer.stop()
 
 
+def test_informer_forgets_its_own_deletion_and_skips_the_older_events(server: FakeApiServer) -> None:
+    server.add_pod(pod_json("a"))
+    gate = Gate()
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
+    seen, handler = recorder()
+    informer.add_handler(handler)
+    informer.start()
+    try:
+        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
+        server.drop_watches()  # the watch is behind: it has not seen the deletion when the answer comes
+        assert gate.waiting.wait(5)
+        informer.forget(server.api.delete(pod_path("default", "a"), {"gracePeriodSeconds": 0}))
+        assert informer.keys() == [] and seen == [("ADDED", "a"), ("DELETED", "a")]
+        server.add_pod(pod_json("a"))  # made again, after the deletion: a new object
+        gate.opened.set()
+        # the watch brings DELETED (the deletion's own version: skipped), then the new pod's ADDED
+        assert wait_until(lambda: len(seen) == 3)
+        assert seen == [("ADDED", "a"), ("DELETED", "a"), ("ADDED", "a")] and informer.keys() == ["default/a"]
+        # an answer the watch has gone past already changes nothing
+        old = server.api.delete(pod_path("default", "a"), {"gracePeriodSeconds": 0})
+        assert wait_until(lambda: len(seen) == 4)
+        informer.forget(old)
+        assert seen[-1] == ("DELETED", "a") and len(seen) == 4
+    finally:
+        informer.stop()
+
+
 # ------------------------------------------------------------------ the write path's own connections
 class ScriptedServer:
     """A raw HTTP server answering each request with what `answer(connection, method, path)` returns: the bytes

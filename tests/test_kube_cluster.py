@@ -229,8 +229,21 @@ def test_a_held_eviction_retried_records_its_reason_once(world: World) -> None:
 def test_delete_and_fail(world: World) -> None:
     key = running(world, "a")
     assert world.cluster.delete_pod(key).ok
-    assert world.settle(lambda: world.cluster.get_pod(key) is None)
+    # gone from the API and from the view when delete_pod returns, before any watch event is pumped
+    assert world.cluster.get_pod(key) is None and world.server.get("pods", key) is None
+    assert world.events[-1] == (EventKind.POD_DELETED, key)
+    assert world.server.requests_to(r"/pods/a$", "DELETE")[-1][2] == {"gracePeriodSeconds": 0}
+    world.cluster.pump()  # the watch's DELETED event, when it comes, is not a second deletion
+    assert world.settle(lambda: world.server.resource_version <= int(world.cluster.pods.resource_version))
+    assert [e for e in world.events if e == (EventKind.POD_DELETED, key)] == [(EventKind.POD_DELETED, key)]
     assert not world.cluster.delete_pod(key).ok
+    # a pod terminating in a long grace (a kubelet that has not stopped it) is deleted at once too
+    world.server.pod_deletion_delay_s = None
+    slow = running(world, "slow")
+    assert world.cluster.evict(slow, grace_s=30).ok
+    assert world.settle(lambda: world.cluster.get_pod(slow).phase is PodPhase.TERMINATING)  # type: ignore[union-attr]
+    assert world.cluster.delete_pod(slow).ok
+    assert world.cluster.get_pod(slow) is None and world.server.get("pods", slow) is None
     world.server.add_pod(pod_json("b", limits=GPU))
     assert world.settle(lambda: world.cluster.get_pod("default/b") is not None)
     assert world.cluster.fail_pod("default/b", "gang timed out").ok

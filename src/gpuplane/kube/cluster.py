@@ -496,9 +496,17 @@ class KubeCluster:
             self._stopping.wait(delay_s)
 
     def delete_pod(self, pod: str) -> Status:
+        """Delete now, without a grace period (`gracePeriodSeconds: 0`, as `kubectl delete --force
+        --grace-period=0`): the pod is gone from the API, and from this view, when this returns (unless a
+        finalizer holds it: then it is terminating). `evict` is the graceful way."""
         namespace, name = split_key(pod)
         try:
-            self._absorb(self.pods, self.api.delete(pod_path(namespace, name)))
+            answer = self.api.delete(pod_path(namespace, name), {"gracePeriodSeconds": 0})
+            if (answer.get("metadata") or {}).get("finalizers"):
+                self._absorb(self.pods, answer)
+            else:
+                self.pods.forget(answer)
+                self.pump()
         except ApiError as exc:
             if exc.status == 404:
                 return Status.error(f"pod {pod} not found")

@@ -132,6 +132,20 @@ class Informer:
             if resource_version(obj) > seen:
                 self.apply(MODIFIED, obj)
 
+    def forget(self, obj: JsonObject) -> None:
+        """The answer to our own DELETE that removed the object (its last state): out of the cache now, unless
+        the watch has gone past it already. Watch events for it at or below that version are skipped (they
+        predate the deletion); a later one (the object created again) is applied."""
+        key = object_key(obj)
+        version = resource_version(obj)
+        with self._lock:
+            if version <= resource_version_number(self._rv):
+                return
+            self._held[key] = version
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._notify(DELETED, old, None)
+
     def apply(self, event_type: str, obj: JsonObject) -> None:
         """Apply one watch event to the cache."""
         key = object_key(obj)

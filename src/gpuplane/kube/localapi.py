@@ -809,9 +809,9 @@ class FakeApiServer:
         obj = self._lookup(route)
         if route.plural != "pods":
             return self._remove(route.resource, route.key)
-        if obj["metadata"].get("deletionTimestamp"):
-            return copy.deepcopy(obj)
         grace = (body or {}).get("gracePeriodSeconds") if isinstance(body, dict) else None
+        if obj["metadata"].get("deletionTimestamp") and grace != 0:  # 0 cuts a running grace short, as upstream
+            return copy.deepcopy(obj)
         if not obj.get("spec", {}).get("nodeName") or grace == 0:
             return self._remove(route.resource, route.key)
         new = copy.deepcopy(obj)

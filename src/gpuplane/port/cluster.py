@@ -104,7 +104,9 @@ class ClusterPort(Protocol):
         """Graceful eviction: the pod turns TERMINATING now and is deleted after `grace_s`."""
         ...
 
-    def delete_pod(self, pod: str) -> Status: ...
+    def delete_pod(self, pod: str) -> Status:
+        """Delete at once, with no grace: the pod is gone when this returns (`evict` is the graceful way)."""
+        ...
 
     def fail_pod(self, pod: str, reason: str) -> Status:
         """Give up on a pending pod: it turns FAILED with `reason` (a gang that timed out, say)."""

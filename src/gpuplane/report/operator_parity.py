@@ -49,10 +49,11 @@ from gpuplane.controllers.recovery import RecoveryController
 from gpuplane.controllers.tidal import LOAN_LABEL, LOAN_TAINT, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi, pod_path
 from gpuplane.kube.crds import ColocationPolicySpec, GpuPoolSpec, TidalPolicySpec, parse_resource
+from gpuplane.kube.informer import Informer
 from gpuplane.kube.lease import LeaseConfig, LeaseElector
 from gpuplane.kube.localapi import FakeApiServer, node_json, pod_json
 from gpuplane.kube.node_reports import NodeReport
-from gpuplane.kube.objects import GANG_LABEL, GANG_SIZE, POOL_LABEL, WORKLOAD_LABEL
+from gpuplane.kube.objects import GANG_LABEL, GANG_SIZE, POOL_LABEL, WORKLOAD_LABEL, object_key, resource_version
 from gpuplane.kube.operator import AnnotatedRepair, Operator, tidal_controller
 from gpuplane.kube.pools import PoolRule, plan_pools
 from gpuplane.kube.reconcilers import COLOCATION_ANNOTATION, ColocationDistributor, RecoveryFeed, apply_pool_plan
@@ -361,12 +362,24 @@ class KubeWorld:
                 len(op.informers[kind].objects()) >= count for kind, count in self.expected.items()) and (
                 len(op.informers["Event"].objects()) >= self.posted) and all(
                 op.cluster.pods.get(pod) is not None for pod in self.placed) and all(
-                op.cluster.pods.get(pod) is None for pod in self.gone)
+                op.cluster.pods.get(pod) is None for pod in self.gone) and (
+                self._in_step(op.cluster.nodes, "nodes")) and self._in_step(op.cluster.pods, "pods")
             if ready or not op.informers:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError("the operator's informers did not catch up")
             time.sleep(0.005)
+
+    def _in_step(self, informer: Informer, kind: str) -> bool:
+        """Whether `informer` holds the server's objects of `kind` at their current versions: the operator's own
+        writes of the last tick (a taint, an eviction) included, which it must see before it decides again."""
+        held = {object_key(obj): resource_version(obj) for obj in informer.objects()}
+        stored = {}
+        for key in self.server.keys(kind):
+            obj = self.server.get(kind, key)
+            if obj is not None:
+                stored[key] = resource_version(obj)
+        return held == stored
 
     def tick(self) -> None:
         if self.operator.informers:
