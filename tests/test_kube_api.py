@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -460,6 +461,24 @@ def recorder() -> tuple[list[tuple[str, str]], Callable[[str, Any, Any], None]]:
     return seen, handler
 
 
+@contextmanager
+def held_watch(server: FakeApiServer) -> Iterator[tuple[Informer, Gate, list[tuple[str, str]]]]:
+    """A started informer on pods whose watch connection has just been dropped: it waits at `gate` (closed)
+    before it watches again, and `seen` records what its handler was told."""
+    gate = Gate()
+    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
+    seen, handler = recorder()
+    informer.add_handler(handler)
+    informer.start()
+    try:
+        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
+        server.drop_watches()
+        assert gate.waiting.wait(5)
+        yield informer, gate, seen
+    finally:
+        informer.stop()
+
+
 def test_informer_lists_then_watches(server: FakeApiServer) -> None:
     server.add_pod(pod_json("a"))
     informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=5)
@@ -480,15 +499,7 @@ def test_informer_lists_then_watches(server: FakeApiServer) -> None:
 
 def test_informer_rewatches_a_dropped_connection_from_where_it_was(server: FakeApiServer) -> None:
     server.add_pod(pod_json("a"))
-    gate = Gate()
-    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
-    seen, handler = recorder()
-    informer.add_handler(handler)
-    informer.start()
-    try:
-        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
-        server.drop_watches()
-        assert gate.waiting.wait(5)
+    with held_watch(server) as (informer, gate, seen):
         server.add_pod(pod_json("b"))  # made while no watch is open
         gate.opened.set()
         assert wait_until(lambda: ("ADDED", "b") in seen)
@@ -496,22 +507,12 @@ def test_informer_rewatches_a_dropped_connection_from_where_it_was(server: FakeA
         assert (informer.rewatches, informer.relists) == (1, 0)  # resumed, no relist needed
         lists = server.requests_to(r"^/api/v1/pods$")
         assert len(lists) == 3  # list, watch, watch again
-    finally:
-        informer.stop()
 
 
 def test_informer_relists_on_410_and_reports_the_difference(server: FakeApiServer) -> None:
     for name in ("keep", "change", "drop"):
         server.add_pod(pod_json(name))
-    gate = Gate()
-    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
-    seen, handler = recorder()
-    informer.add_handler(handler)
-    informer.start()
-    try:
-        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
-        server.drop_watches()
-        assert gate.waiting.wait(5)
+    with held_watch(server) as (informer, gate, seen):
         server.add_pod(pod_json("new"))
         server.api.patch(pod_path("default", "change"), {"metadata": {"labels": {"x": "1"}}})
         server.api.delete(pod_path("default", "drop"))
@@ -522,8 +523,6 @@ def test_informer_relists_on_410_and_reports_the_difference(server: FakeApiServe
         assert sorted(seen) == [("ADDED", "new"), ("DELETED", "drop"), ("MODIFIED", "change")]
         assert informer.relists == 1
         assert informer.keys() == ["default/change", "default/keep", "default/new"]
-    finally:
-        informer.stop()
 
 
 def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> None:
@@ -547,15 +546,7 @@ def test_informer_assumed_write_skips_older_events(server: FakeApiServer) -> Non
 
 def test_informer_forgets_its_own_deletion_and_skips_the_older_events(server: FakeApiServer) -> None:
     server.add_pod(pod_json("a"))
-    gate = Gate()
-    informer = Informer(server.api, "/api/v1/pods", watch_timeout_s=30, sleep=gate)
-    seen, handler = recorder()
-    informer.add_handler(handler)
-    informer.start()
-    try:
-        assert informer.wait_synced(5) and wait_until(lambda: server.open_watches == 1)
-        server.drop_watches()  # the watch is behind: it has not seen the deletion when the answer comes
-        assert gate.waiting.wait(5)
+    with held_watch(server) as (informer, gate, seen):  # behind: it has not seen the deletion when the answer comes
         informer.forget(server.api.delete(pod_path("default", "a"), {"gracePeriodSeconds": 0}))
         assert informer.keys() == [] and seen == [("ADDED", "a"), ("DELETED", "a")]
         server.add_pod(pod_json("a"))  # made again, after the deletion: a new object
@@ -568,8 +559,6 @@ def test_informer_forgets_its_own_deletion_and_skips_the_older_events(server: Fa
         assert wait_until(lambda: len(seen) == 4)
         informer.forget(old)
         assert seen[-1] == ("DELETED", "a") and len(seen) == 4
-    finally:
-        informer.stop()
 
 
 # ------------------------------------------------------------------ the write path's own connections
