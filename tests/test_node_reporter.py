@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from typer import Typer
 from typer.testing import CliRunner
 
-from daemons import gpuplane_daemon, sigterm
+from daemons import free_port, gpuplane_daemon, healthy, sigterm
 from gpuplane.cli.node_reporter_cmd import register
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.health import HealthEvent
@@ -44,8 +44,8 @@ from gpuplane.node.reporter import (
     end_of,
     follow_command,
     follow_file,
-    run_reporter,
 )
+from node_agent import Agent
 
 XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=2417, GPU has fallen off the bus."
 XID_43 = "NVRM: Xid (PCI:0000:86:00): 43, pid=3112, name=python3, Ch 00000010"
@@ -267,25 +267,13 @@ def test_gpuplane_node_reporter_once_posts_what_the_log_says(server: FakeApiServ
 def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: FakeApiServer, tmp_path: Path) -> None:
     # The node agent's container (deploy/node-agent/daemonset.yaml) runs this: a log followed from its end, the
     # state file kept, /healthz served for the kubelet's probes, SIGTERM ends it with exit 0.
-    import socket
-    import urllib.request
-
     log, state = tmp_path / "kern.log", tmp_path / "state" / "node-reporter.json"
     log.write_text(f"{XID_79}\n")  # before the first start: not reported (read from the end)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
     with gpuplane_daemon(["node-reporter", "--node-name", "gpu-7", "--follow", str(log), "--state-file", str(state),
                           "--health-port", str(port), "--kubeconfig", str(kubeconfig)]) as child:
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
-                    return bool(answer.status == 200)
-            except OSError:
-                return False
-
-        wait_until(healthy, "/healthz", timeout_s=60)
+        wait_until(lambda: healthy(port), "/healthz", timeout_s=60)
         with log.open("a") as handle:
             handle.write(f"{XID_79}\n")
         wait_until(lambda: len(events(server)) == 1, "the Xid's Event", timeout_s=30)
@@ -293,31 +281,13 @@ def test_gpuplane_node_reporter_runs_until_sigterm_with_its_health_port(server: 
         returncode, output = sigterm(child)
         assert returncode == 0, output
     assert [r.reason for r in reports_in_order(events(server))] == ["FaultIsolateNode"]
-    assert not healthy()
+    assert not healthy(port)
 
 
-class Agent:
-    """A node agent's follower and reporting loop on one log file, its positions in `state`; `kill` stops it
-    with no last word (what is on disk is what a SIGKILLed agent leaves), and a new Agent is its restart."""
-
-    def __init__(self, server: FakeApiServer, log: Path, state: Path) -> None:
-        self.findings: queue.Queue[Finding] = queue.Queue()
-        self.stop = threading.Event()
-        self.store = PositionStore(state)
-        self.reporter = NodeReporter(server.api, "gpu-7", FailureClassifier(load_signature_library()), time.time)
-        self.threads = [
-            threading.Thread(target=follow_file, args=(log, self.findings, self.stop),
-                             kwargs={"poll_s": 0.01, "resume": self.store.get(log)}),
-            threading.Thread(target=run_reporter, args=(self.reporter, self.findings, self.stop),
-                             kwargs={"positions": self.store})]
-        for thread in self.threads:
-            thread.start()
-
-    def kill(self) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(5)
-        assert not any(thread.is_alive() for thread in self.threads)
+def file_agent(server: FakeApiServer, log: Path, state: Path) -> Agent:
+    """An agent following one log file from its saved position."""
+    return Agent(server, lambda findings, stop, store: follow_file(log, findings, stop, poll_s=0.01,
+                                                                   resume=store.get(log)), state)
 
 
 def xid_line(bus: str) -> str:
@@ -370,7 +340,7 @@ def test_a_restarted_agent_reports_what_was_logged_while_it_was_down_once(
         server: FakeApiServer, tmp_path: Path, case: DownCase) -> None:
     log, state = tmp_path / "kern.log", tmp_path / "state" / "positions.json"
     log.write_text("boot ok\n")  # before the first start, no saved position: the first agent starts at the end
-    first = Agent(server, log, state)
+    first = file_agent(server, log, state)
     try:
         time.sleep(0.05)
         with log.open("a") as handle:
@@ -381,7 +351,7 @@ def test_a_restarted_agent_reports_what_was_logged_while_it_was_down_once(
         first.kill()
     assert reported_buses(server) == ["18:00"]  # "boot ok" was before the start: not read
     case.while_down(log)
-    second = Agent(server, log, state)
+    second = file_agent(server, log, state)
     try:
         size = log.stat().st_size
         wait_until(lambda: saved_offset(state, log) == size, "the log read to its end and saved")
@@ -395,7 +365,7 @@ def test_a_refused_post_holds_the_saved_position_until_it_is_posted(server: Fake
     log.write_text("")
     # refused 5 times: the first post and the idle flushes 0.2 s apart, so about a second before it is posted
     server.fail_next("POST", r"/events$", 503, "ServiceUnavailable", times=5)
-    agent = Agent(server, log, state)
+    agent = file_agent(server, log, state)
     try:
         time.sleep(0.05)
         with log.open("a") as handle:

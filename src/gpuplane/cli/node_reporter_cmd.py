@@ -44,6 +44,13 @@ def register(app: typer.Typer) -> None:
         follow: Annotated[list[Path] | None, typer.Option(
             "--follow", help="a log file to classify line by line (repeatable), e.g. /var/log/kern.log for the "
                              "driver's NVRM: Xid lines")] = None,
+        kernel_log: Annotated[list[Path] | None, typer.Option(
+            "--kernel-log", help="where this node's kernel log may be, in order (repeatable): the first one there "
+                                 "is followed, a file as --follow does, a directory of systemd journal files "
+                                 "(/var/log/journal, /run/log/journal) through journalctl, its kernel entries; "
+                                 "e.g. kern.log, then messages, then the journal, for rsyslog and journald-only "
+                                 "nodes alike")] = None,
+        journalctl: Annotated[str, typer.Option(help="the journalctl to run for a journal")] = "journalctl",
         command: Annotated[str | None, typer.Option(
             help="a command whose output to classify, run as a child process and restarted when it ends, "
                  "e.g. 'dmesg --follow'")] = None,
@@ -78,8 +85,10 @@ def register(app: typer.Typer) -> None:
             PositionStore,
             drain,
             end_of,
+            find_kernel_log,
             follow_command,
             follow_file,
+            follow_kernel_log,
             run_reporter,
         )
         from gpuplane.port import WallClock
@@ -87,8 +96,8 @@ def register(app: typer.Typer) -> None:
         node = node_name or os.environ.get("NODE_NAME")
         if not node:
             fail("no node name: pass --node-name or set $NODE_NAME")
-        if once and command is not None:
-            fail("--once reads files only; --command runs until stopped")
+        if once and (command is not None or kernel_log):
+            fail("--once reads --follow files only; --command and --kernel-log run until stopped")
         try:
             library = load_signature_library(extra=signatures or ())
         except GpuplaneError as exc:
@@ -123,6 +132,11 @@ def register(app: typer.Typer) -> None:
                        "from_start": from_start,
                        "resume": positions.get(path) or (None if from_start else end_of(path))})
                    for path in follow or []]
+        if kernel_log:  # where it is and where to start, now (as for --follow); else looked for by the thread
+            found = find_kernel_log(kernel_log, positions, from_start=from_start, journalctl=journalctl)
+            threads.append(threading.Thread(target=follow_kernel_log, args=(kernel_log, findings, stop), daemon=True,
+                                            kwargs={"positions": positions, "from_start": from_start,
+                                                    "journalctl": journalctl, "found": found}))
         if command is not None:
             threads.append(threading.Thread(target=follow_command, args=(command.split(), findings, stop),
                                             daemon=True))

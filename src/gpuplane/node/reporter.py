@@ -10,8 +10,10 @@ before the next one (`flush`), oldest first, up to `backlog` Events.
 
 `run_reporter` is the loop the node agent runs in a thread: it drains a queue of findings and runs the check tier
 every `check_period_s`. Findings come from `follow_file` (a log file, e.g. the kernel log whose `NVRM: Xid` lines
-the classifier reads, followed as `tail -F` does) and `follow_command` (a child process's output, e.g.
-`dmesg --follow`), each on its own thread.
+the classifier reads, followed as `tail -F` does), `follow_journal` (the kernel's entries of a systemd
+journal, through `journalctl --follow --output=json`, on nodes that log only to journald), `follow_kernel_log`
+(the first of several candidate places for the kernel log: kern.log, messages, the journal) and
+`follow_command` (a child process's output, e.g. `dmesg --follow`), each on its own thread.
 
 A followed file's read position survives the agent: each line's Finding carries the position just past it
 (`LogPosition`), and `run_reporter` saves the positions of the lines it has fed and posted to a `PositionStore`
@@ -19,7 +21,9 @@ A followed file's read position survives the agent: each line's Finding carries 
 says when the file is the same one (device and inode match, and it is at least that long), and reads it from
 its start when it was rotated or truncated meanwhile; so a line written while the agent was down is reported
 once. The one window left is a crash after a post and before the save that follows it: that batch is posted
-again (at least once, never lost).
+again (at least once, never lost). A followed journal's position is its last entry's cursor, kept in the same
+store: a restarted agent resumes after it (`--after-cursor`), across reboots too (the kernel's entries of every
+boot are read, not `--dmesg`'s current boot only).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import logging
 import os
 import queue
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -61,8 +66,8 @@ class Finding:
     exit_code: int | None = None
     signal: str | None = None
     pod: str | None = None
-    position: LogPosition | None = None
-    """for a followed file's line: where the file is read to once this line is done with"""
+    position: LogPosition | JournalPosition | None = None
+    """for a followed file's line or journal entry: where it is read to once this one is done with"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,14 @@ class LogPosition:
     offset: int
 
 
+@dataclass(frozen=True, slots=True)
+class JournalPosition:
+    """How far one followed systemd journal (`path`: its directory) has been read: the last entry's cursor."""
+
+    path: str
+    cursor: str
+
+
 class PositionStore:
     """The followed files' read positions, kept in a JSON file across restarts of the agent.
 
@@ -84,12 +97,15 @@ class PositionStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.positions: dict[str, LogPosition] = {}
+        self.journals: dict[str, JournalPosition] = {}
         self.dirty = False
         try:
             doc = json.loads(path.read_text())
             for name, entry in (doc.get("files") or {}).items():
                 self.positions[name] = LogPosition(name, int(entry["device"]), int(entry["inode"]),
                                                    int(entry["offset"]))
+            for name, entry in (doc.get("journals") or {}).items():
+                self.journals[name] = JournalPosition(name, str(entry["cursor"]))
         except FileNotFoundError:
             pass
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -102,17 +118,25 @@ class PositionStore:
     def get(self, path: Path) -> LogPosition | None:
         return self.positions.get(self.key(path))
 
-    def advance(self, position: LogPosition) -> None:
-        if self.positions.get(position.path) != position:
+    def journal(self, directory: Path) -> JournalPosition | None:
+        return self.journals.get(self.key(directory))
+
+    def advance(self, position: LogPosition | JournalPosition) -> None:
+        if isinstance(position, LogPosition):
+            changed = self.positions.get(position.path) != position
             self.positions[position.path] = position
-            self.dirty = True
+        else:
+            changed = self.journals.get(position.path) != position
+            self.journals[position.path] = position
+        self.dirty = self.dirty or changed
 
     def save(self) -> None:
         """Write the positions when they changed since the last save."""
         if not self.dirty:
             return
         doc = {"version": 1, "files": {name: {"device": p.device, "inode": p.inode, "offset": p.offset}
-                                       for name, p in sorted(self.positions.items())}}
+                                       for name, p in sorted(self.positions.items())},
+               "journals": {name: {"cursor": j.cursor} for name, j in sorted(self.journals.items())}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         with temporary.open("w") as handle:
@@ -215,7 +239,7 @@ def run_reporter(reporter: NodeReporter, findings: queue.Queue[Finding], stop: t
     """The node agent's reporting loop: each finding as it arrives, the check tier every `check_period_s`
     (first at once), until `stop` is set. With `positions`, the followed files' positions of the findings fed
     are saved once everything fed is posted and the queue is drained (a batch)."""
-    held: dict[str, LogPosition] = {}
+    held: dict[str, LogPosition | JournalPosition] = {}
     """positions of findings fed whose reports are not all posted yet"""
 
     def commit() -> None:
@@ -318,6 +342,189 @@ def follow_command(argv: Sequence[str], findings: queue.Queue[Finding], stop: th
         if not stop.is_set():
             log.warning("%s ended (exit %s); restarting in %g s", argv[0], child.returncode, restart_s)
             stop.wait(restart_s)
+
+
+KERNEL_MATCH = "_TRANSPORT=kernel"
+"""the journal's kernel messages, of every boot (`--dmesg` would keep to the current boot)"""
+
+
+def journal_end(directory: Path, *, journalctl: str = "journalctl") -> JournalPosition | None:
+    """The cursor of the journal's last kernel entry now, to resume after (None: no kernel entry yet). Taken
+    before a follower's thread starts, as `end_of` for a file. Raises `OSError` when journalctl cannot run,
+    `ValueError` when it fails (its message)."""
+    done = subprocess.run([journalctl, "--directory", str(directory), "--lines=1", "--output=json", "--no-pager",
+                           KERNEL_MATCH], capture_output=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise ValueError(f"journalctl --directory {directory}: {_stderr(done.stderr)}")
+    for raw in done.stdout.splitlines():
+        cursor = (_journal_entry(raw) or {}).get("__CURSOR")
+        if isinstance(cursor, str):
+            return JournalPosition(PositionStore.key(directory), cursor)
+    return None
+
+
+def follow_journal(directory: Path, findings: queue.Queue[Finding], stop: threading.Event, *,
+                   resume: JournalPosition | None = None, from_start: bool = False, journalctl: str = "journalctl",
+                   restart_s: float = 5.0) -> None:
+    """Put each new kernel entry of the systemd journal in `directory` (the host's /var/log/journal or
+    /run/log/journal) on `findings`, each with its cursor, until `stop`: `journalctl --follow --output=json` as
+    a child process, restarted after the last entry it gave when it ends.
+
+    It starts after `resume` (a cursor saved by an earlier agent), else at the journal's end (its start,
+    `from_start`). A cursor journalctl refuses (a corrupt state file) is replaced by the time in it, when it has
+    one (`--since`), and by the journal's end when not, with a warning either way."""
+    key = PositionStore.key(directory)
+    cursor = resume.cursor if resume is not None else None
+    since: str | None = None
+    while not stop.is_set():
+        argv = [journalctl, "--directory", str(directory), "--follow", "--output=json", "--all", "--no-pager"]
+        if cursor is not None:
+            argv += ["--after-cursor", cursor]
+        elif since is not None:
+            argv += ["--since", since]
+        else:
+            argv.append("--lines=all" if from_start else "--lines=0")
+        argv.append(KERNEL_MATCH)
+        try:
+            returncode, given, last, error = _journalctl_run(argv, key, findings, stop)
+        except OSError as exc:
+            log.warning("%s: cannot start: %s", journalctl, exc)
+            stop.wait(restart_s)
+            continue
+        if last is not None:
+            cursor, since = last, None
+        if stop.is_set():
+            return
+        if returncode != 0 and given == 0 and cursor is not None and "cursor" in error.lower():
+            since = _cursor_time(cursor)
+            log.warning("%s: journalctl refused the saved cursor (%s); reading from %s", directory, error,
+                        f"its time ({since})" if since else "the journal's end")
+            cursor = None
+        log.warning("journalctl --directory %s ended (exit %s%s); restarting in %g s", directory,
+                    returncode, f": {error}" if error else "", restart_s)
+        stop.wait(restart_s)
+
+
+def is_journal(directory: Path) -> bool:
+    """Whether `directory` holds systemd journal files (`*.journal`, or in its machine-id subdirectory)."""
+    try:
+        return directory.is_dir() and (any(directory.glob("*.journal")) or any(directory.glob("*/*.journal")))
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLog:
+    """Where the node's kernel log is (a file, or a directory of journal files) and where to start reading it."""
+
+    path: Path
+    journal: bool
+    """a directory of systemd journal files (else a log file)"""
+    resume: LogPosition | JournalPosition | None
+    from_start: bool
+
+
+def find_kernel_log(candidates: Sequence[Path], positions: PositionStore, *, from_start: bool = False,
+                    journalctl: str = "journalctl") -> KernelLog | None:
+    """The first of `candidates` that is there now, with its saved position in `positions`, else its end as it is
+    now (its start, `from_start`; a journal with no kernel entry yet, its start). None: none is there. Taken before
+    the follower's thread starts, as `end_of`, so what is logged while it starts is not skipped."""
+    for path in candidates:
+        if path.is_file():
+            return KernelLog(path, False, positions.get(path) or (None if from_start else end_of(path)), from_start)
+        if is_journal(path):
+            saved = positions.journal(path)
+            try:
+                end = None if saved is not None or from_start else journal_end(path, journalctl=journalctl)
+            except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+                log.warning("%s: cannot read the journal: %s", path, exc)
+                continue
+            return KernelLog(path, True, saved or end, from_start or (saved is None and end is None))
+    return None
+
+
+def follow_kernel_log(candidates: Sequence[Path], findings: queue.Queue[Finding], stop: threading.Event, *,
+                      positions: PositionStore, from_start: bool = False, journalctl: str = "journalctl",
+                      found: KernelLog | None = None, poll_s: float = 30.0, file_poll_s: float = 0.5) -> Path | None:
+    """Follow the node's kernel log until `stop`: `found`, else the first of `candidates` there is
+    (`find_kernel_log`; while none is there, look again every `poll_s`, with one warning); a file as
+    `follow_file` does, a journal as `follow_journal` does. Returns the one followed (None: stopped first)."""
+    warned = False
+    while found is None and not stop.is_set():
+        found = find_kernel_log(candidates, positions, from_start=from_start, journalctl=journalctl)
+        if found is None:
+            if not warned:
+                log.warning("no kernel log yet (looked for %s); looking again every %g s",
+                            ", ".join(map(str, candidates)), poll_s)
+                warned = True
+            stop.wait(poll_s)
+    if found is None:
+        return None
+    if found.journal:
+        resume = found.resume if isinstance(found.resume, JournalPosition) else None
+        follow_journal(found.path, findings, stop, resume=resume, from_start=found.from_start, journalctl=journalctl)
+    else:
+        at = found.resume if isinstance(found.resume, LogPosition) else None
+        follow_file(found.path, findings, stop, from_start=found.from_start, poll_s=file_poll_s, resume=at)
+    return found.path
+
+
+def _journalctl_run(argv: list[str], key: str, findings: queue.Queue[Finding],
+                    stop: threading.Event) -> tuple[int, int, str | None, str]:
+    """One journalctl child until it ends or `stop`: its exit status, the entries it gave, the last one's cursor,
+    and what it said on stderr (kept in a file, read once it ends: a pipe nobody reads could fill and block it)."""
+    with tempfile.TemporaryFile() as errors:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors)
+        watcher = threading.Thread(target=_terminate_on_stop, args=(child, stop), daemon=True)
+        watcher.start()
+        assert child.stdout is not None
+        given, last = 0, None
+        for raw in child.stdout:
+            entry = _journal_entry(raw)
+            at = None if entry is None else entry.get("__CURSOR")
+            if entry is None or not isinstance(at, str):
+                log.warning("%s: an entry without a cursor, skipped: %.200r", key, raw)
+                continue
+            given, last = given + 1, at
+            text = _journal_message(entry.get("MESSAGE"))
+            if text is not None:
+                findings.put(Finding(line=text, position=JournalPosition(key, at)))
+        child.wait()
+        errors.seek(0)
+        return child.returncode, given, last, _stderr(errors.read())
+
+
+def _journal_entry(raw: bytes) -> dict[str, object] | None:
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _journal_message(value: object) -> str | None:
+    """journalctl's JSON gives a field as a string, or as an array of byte values when it is not UTF-8 text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(b, int) and 0 <= b < 256 for b in value):
+        return bytes(value).decode("utf-8", "replace").rstrip("\n")
+    return None
+
+
+def _cursor_time(cursor: str) -> str | None:
+    """`@seconds` (journalctl's timestamp syntax) from a cursor's realtime field `t=` (hex microseconds)."""
+    for part in cursor.split(";"):
+        name, _, value = part.partition("=")
+        if name == "t":
+            try:
+                return f"@{int(value, 16) // 1_000_000}"
+            except ValueError:
+                return None
+    return None
+
+
+def _stderr(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace").strip().replace("\n", "; ")
 
 
 def _terminate_on_stop(child: subprocess.Popen[bytes], stop: threading.Event) -> None:
