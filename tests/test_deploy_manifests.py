@@ -1651,8 +1651,25 @@ def test_the_node_agent_writes_its_own_nodes_slices_only(operation: str, user_no
     assert all(results) is allowed
 
 
+def _named_below(directory: Path) -> set[Path]:
+    """The files a kustomization or component in `directory` names (resources, patches), following the
+    directories it names that lie below `directory`."""
+    doc = yaml.safe_load((directory / "kustomization.yaml").read_text(encoding="utf-8"))
+    files: set[Path] = set()
+    for entry in [*doc.get("resources", []), *doc.get("components", []),
+                  *(p["path"] for p in doc.get("patches", []) if "path" in p)]:
+        target = (directory / entry).resolve()
+        if target.is_dir():
+            files |= _named_below(target) if directory.resolve() in target.parents else set()
+        else:
+            files.add(target)
+    return files
+
+
 def test_dra_modes_component_names_every_file_it_has() -> None:
     component = yaml.safe_load((DRA_MODE / "kustomization.yaml").read_text(encoding="utf-8"))
-    assert component["kind"] == "Component" and component["components"] == ["../scheduler"]
-    named = {*component["resources"], *(p["path"] for p in component["patches"] if "path" in p)}
-    assert named == {p.name for p in _yaml_files(DRA_MODE) if p.name not in NOT_API_OBJECTS}
+    assert component["kind"] == "Component" and component["components"] == ["../scheduler", "cluster", "agent"]
+    for part in ("cluster", "agent"):
+        assert yaml.safe_load((DRA_MODE / part / "kustomization.yaml").read_text(encoding="utf-8"))["kind"] == \
+            "Component"
+    assert _named_below(DRA_MODE) == {p.resolve() for p in _yaml_files(DRA_MODE) if p.name not in NOT_API_OBJECTS}
