@@ -64,6 +64,9 @@ EXTENDER_MODE = DEPLOY / "scheduler"
 DRA_MODE = DEPLOY / "modes" / "dra"
 """DRA mode: scheduler mode with patches (the DRA driver in the node agent, --dra on the scheduler); its objects are
 those `kubectl kustomize` renders (checked after scheduler mode's, at the end of this file)."""
+MIXED_MODE = DEPLOY / "modes" / "mixed"
+"""Mixed mode: DRA mode's agent on the nodes labelled gpuplane.io/gpu-api=dra, scheduler mode's on the other GPU
+nodes; rendered as DRA mode is (checked last)."""
 NOT_KUBERNETES = (DEPLOY / "monitoring", DEPLOY / "grafana")
 """Prometheus' and Grafana's own files (tests/test_alert_rules.py, tests/test_grafana.py; the scrape jobs below)."""
 SCRAPE_CONFIG = DEPLOY / "monitoring" / "prometheus-scrape.yaml"
@@ -73,6 +76,7 @@ def _yaml_files(root: Path = DEPLOY) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()
                   and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents)
                   and (root == DRA_MODE or DRA_MODE not in p.parents)
+                  and (root == MIXED_MODE or MIXED_MODE not in p.parents)
                   and not any(d in p.parents for d in NOT_KUBERNETES))
 
 
@@ -593,12 +597,15 @@ def test_every_container_has_requests_a_memory_limit_and_probes() -> None:
                     assert probe[handler]["port"] in _ports(c), f"{where}: {probe_kind} port is not a container port"
 
 
-# Containers that run as root, and why (the comments in the manifests say it in full).
-ROOT = {("gpuplane-node-agent", "device-plugin"): "the kubelet's device-plugin socket directory is root's",
-        ("gpuplane-node-agent", "node-guard"): "CAP_KILL is effective only for UID 0 in Kubernetes",
-        ("gpuplane-node-agent", "node-reporter"): "its state file is in a hostPath directory the kubelet made root's",
-        ("gpuplane-node-agent", "dra-plugin"): "kubelet's plugin registry and plugins directory are root's"}
-CAPABILITIES = {("gpuplane-node-agent", "node-guard"): ["KILL"]}
+NODE_AGENTS = ("gpuplane-node-agent", "gpuplane-node-agent-dra")
+"""The node agent's DaemonSets: the one of every mode, and mixed mode's second one on its DRA nodes."""
+# Containers that run as root, and why (the comments in the manifests say it in full), in either node agent.
+ROOT = {(agent, container): why for agent in NODE_AGENTS for container, why in (
+    ("device-plugin", "the kubelet's device-plugin socket directory is root's"),
+    ("node-guard", "CAP_KILL is effective only for UID 0 in Kubernetes"),
+    ("node-reporter", "its state file is in a hostPath directory the kubelet made root's"),
+    ("dra-plugin", "kubelet's plugin registry and plugins directory are root's"))}
+CAPABILITIES = {(agent, "node-guard"): ["KILL"] for agent in NODE_AGENTS}
 
 
 def test_security_contexts_give_the_least_each_container_needs() -> None:
@@ -621,7 +628,9 @@ def _check_security_contexts(workloads: list[Doc]) -> None:
             else:
                 assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, key
     host_pid = {w["metadata"]["name"] for w in workloads if w["spec"]["template"]["spec"].get("hostPID")}
-    assert host_pid == {"gpuplane-node-agent"}  # the guard's, and only there
+    # the guard's, and only there
+    assert "gpuplane-node-agent" in host_pid
+    assert host_pid == {w["metadata"]["name"] for w in workloads if w["metadata"]["name"] in NODE_AGENTS}
 
 
 def _tolerates(tolerations: list[Doc], taint: Taint) -> bool:
@@ -1411,13 +1420,18 @@ def test_dra_mode_is_scheduler_mode_with_the_dra_driver_in_place_of_the_device_p
     assert scheduler["args"] == [*_containers(_scheduler_mode_deployment())[0]["args"], "--dra"]
 
 
-def test_dra_modes_containers_run_real_commands_with_the_least_privilege(dra_objects: list[tuple[Path, Doc]]) -> None:
-    workloads = _of_kind("Deployment", "DaemonSet", "StatefulSet", objects=dra_objects)
+def _check_rendered_workloads(objects: list[tuple[Path, Doc]]) -> None:
+    """A rendered mode's workloads: every gpuplane container's command line, every security context."""
+    workloads = _of_kind("Deployment", "DaemonSet", "StatefulSet", objects=objects)
     for w in workloads:
         for c in _containers(w):
             if c["image"].startswith("ghcr.io/gpuplane/"):
                 _check_command(w["metadata"]["name"], c)
     _check_security_contexts(workloads)
+
+
+def test_dra_modes_containers_run_real_commands_with_the_least_privilege(dra_objects: list[tuple[Path, Doc]]) -> None:
+    _check_rendered_workloads(dra_objects)
     _, plugin = _node_agent_container("dra-plugin", dra_objects)
     assert {"cpu", "memory"} <= set(plugin["resources"]["requests"]) and "memory" in plugin["resources"]["limits"]
 
@@ -1673,3 +1687,200 @@ def test_dra_modes_component_names_every_file_it_has() -> None:
         assert yaml.safe_load((DRA_MODE / part / "kustomization.yaml").read_text(encoding="utf-8"))["kind"] == \
             "Component"
     assert _named_below(DRA_MODE) == {p.resolve() for p in _yaml_files(DRA_MODE) if p.name not in NOT_API_OBJECTS}
+
+
+# ------------------------------------------------------------------ mixed mode (deploy/modes/mixed)
+GPU_API = "gpuplane.io/gpu-api"
+"""The node label that makes a GPU node a DRA node in mixed mode (value `dra`)."""
+AGENT_MODE = "gpuplane.io/agent-mode"
+DRA_AGENT = "gpuplane-node-agent-dra"
+MIXED_NEW = {("ServiceAccount", NAMESPACE, DRA_AGENT), ("DaemonSet", NAMESPACE, DRA_AGENT),
+             ("ClusterRole", None, "gpuplane-node-agent-dra-reads"),
+             ("ClusterRoleBinding", None, "gpuplane-node-agent-dra-reads"),
+             ("RoleBinding", "default", "gpuplane-node-agent-dra-events")}
+
+
+@pytest.fixture(scope="module")
+def mixed_objects(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, Doc]]:
+    return [(MIXED_MODE / "rendered", d) for d in _render(["modes/mixed"], tmp_path_factory.mktemp("mixed"))]
+
+
+def _daemonset(objects: list[tuple[Path, Doc]], name: str) -> Doc:
+    [ds] = [d for d in _of_kind("DaemonSet", objects=objects) if d["metadata"]["name"] == name]
+    return ds
+
+
+def _term_holds(term: Doc, labels: Mapping[str, str]) -> bool:
+    """Whether a nodeSelectorTerm holds for a node with `labels`, as Kubernetes evaluates it: its expressions all
+    hold; NotIn and DoesNotExist hold where the label is absent; a term with no expression selects no node."""
+    assert set(term) <= {"matchExpressions"}, term  # matchFields: not evaluated here
+    expressions = term.get("matchExpressions", [])
+    for e in expressions:
+        key, values = e["key"], e.get("values", [])
+        holds = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                 "Exists": key in labels, "DoesNotExist": key not in labels}[e["operator"]]
+        if not holds:
+            return False
+    return bool(expressions)
+
+
+def _runs_on(daemonset: Doc, labels: Mapping[str, str]) -> bool:
+    """Whether the DaemonSet controller puts a pod of `daemonset` on a node with `labels` (its nodeSelector and
+    required node affinity; the node agents tolerate every taint that matters, checked above)."""
+    spec = daemonset["spec"]["template"]["spec"]
+    if not spec.get("nodeSelector", {}).items() <= labels.items():
+        return False
+    required = spec.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    return required is None or any(_term_holds(t, labels) for t in required["nodeSelectorTerms"])
+
+
+def _agents_on(objects: list[tuple[Path, Doc]], labels: Mapping[str, str]) -> set[str]:
+    return {d["metadata"]["name"] for d in _of_kind("DaemonSet", objects=objects) if _runs_on(d, labels)}
+
+
+GPU_NODE = {"gpuplane.io/gpu-node": "true"}
+# A node's labels → the node agents mixed mode runs on it: one on every GPU node, none elsewhere.
+AGENT_CASES = [
+    ({**GPU_NODE, GPU_API: "dra"}, {DRA_AGENT}),
+    (GPU_NODE, {"gpuplane-node-agent"}),
+    ({**GPU_NODE, GPU_API: "device-plugin"}, {"gpuplane-node-agent"}),  # any other value: the device plugin
+    ({**GPU_NODE, GPU_API: "DRA"}, {"gpuplane-node-agent"}),  # label values are case-sensitive
+    ({**GPU_NODE, "kubernetes.io/hostname": "gpu-7"}, {"gpuplane-node-agent"}),
+    ({GPU_API: "dra"}, set()),  # not a GPU node
+    ({"gpuplane.io/gpu-node": "false", GPU_API: "dra"}, set()),
+    ({}, set()),
+]
+
+
+@pytest.mark.parametrize(("labels", "agents"), AGENT_CASES, ids=[str(sorted(c[0].items())) for c in AGENT_CASES])
+def test_mixed_mode_runs_exactly_one_node_agent_on_each_gpu_node_by_its_label(
+        labels: dict[str, str], agents: set[str], mixed_objects: list[tuple[Path, Doc]]) -> None:
+    assert _agents_on(mixed_objects, labels) == agents
+
+
+def _broken(objects: list[tuple[Path, Doc]], name: str, path: str, value: Any) -> list[tuple[Path, Doc]]:
+    return [(p, _with(d, path, value) if d["kind"] == "DaemonSet" and d["metadata"]["name"] == name else d)
+            for p, d in objects]
+
+
+_TERM = f"{_POD}.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms.0"
+_AFFINITY_BREAKS = [
+    # (the DaemonSet, what is changed, the value)
+    ("gpuplane-node-agent", f"{_POD}.affinity", None),  # a DRA node gets the device plugin too
+    (DRA_AGENT, f"{_POD}.affinity", None),  # every GPU node gets the DRA driver
+    (DRA_AGENT, f"{_POD}.nodeSelector", None),  # a labelled node that is no GPU node gets it
+    (DRA_AGENT, f"{_TERM}.matchExpressions.0.operator", "NotIn"),
+    ("gpuplane-node-agent", f"{_TERM}.matchExpressions.0.operator", "In"),
+    ("gpuplane-node-agent", f"{_TERM}.matchExpressions.0.operator", "DoesNotExist"),  # any value keeps it off
+    (DRA_AGENT, f"{_TERM}.matchExpressions.0.values", ["true"]),
+    ("gpuplane-node-agent", f"{_TERM}.matchExpressions.0.key", "gpuplane.io/gpu-mode"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "value"), _AFFINITY_BREAKS,
+                         ids=[f"{n}:{p.rsplit('.', 1)[-1]}={v}" for n, p, v in _AFFINITY_BREAKS])
+def test_the_node_agent_table_catches_a_broken_affinity(name: str, path: str, value: Any,
+                                                       mixed_objects: list[tuple[Path, Doc]]) -> None:
+    broken = _broken(mixed_objects, name, path, value)
+    assert any(_agents_on(broken, labels) != agents for labels, agents in AGENT_CASES)
+
+
+def test_mixed_modes_node_agents_select_their_own_pods_only(mixed_objects: list[tuple[Path, Doc]]) -> None:
+    agents = {d["metadata"]["name"]: d for d in _of_kind("DaemonSet", objects=mixed_objects)}
+    assert set(agents) == set(NODE_AGENTS)
+    for name, ds in agents.items():
+        assert set(ds["spec"]["selector"]) == {"matchLabels"}, name
+        for other, pods in agents.items():
+            labels = pods["spec"]["template"]["metadata"]["labels"]
+            assert (ds["spec"]["selector"]["matchLabels"].items() <= labels.items()) is (other == name), (name, other)
+    assert {ds["spec"]["template"]["metadata"]["labels"][AGENT_MODE] for ds in agents.values()} == {"device-plugin",
+                                                                                                  "dra"}
+
+
+def _plain(ds: Doc, *, renamed: bool) -> Doc:
+    """`ds` without what sets mixed mode's two node agents apart: the node affinity and the agent-mode label, and
+    where `renamed` the DaemonSet's name, its name label (selector and pods), and its ServiceAccount."""
+    import copy
+
+    out = copy.deepcopy(ds)
+    template = out["spec"]["template"]
+    template["spec"].pop("affinity", None)
+    template["metadata"]["labels"].pop(AGENT_MODE, None)
+    if renamed:
+        del out["metadata"]["name"], template["spec"]["serviceAccountName"]
+        for labels in (out["metadata"]["labels"], out["spec"]["selector"]["matchLabels"],
+                       template["metadata"]["labels"]):
+            del labels["app.kubernetes.io/name"]
+    return out
+
+
+def test_mixed_mode_is_dra_mode_on_labelled_nodes_and_scheduler_mode_on_the_others(
+        mixed_objects: list[tuple[Path, Doc]], dra_objects: list[tuple[Path, Doc]]) -> None:
+    for _, doc in mixed_objects:
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION, _key(doc)
+    assert {_key(d) for _, d in mixed_objects} == {_key(d) for _, d in dra_objects} | MIXED_NEW
+    # the device-plugin agent: scheduler mode's, its selector included (a DaemonSet's cannot change)
+    plugin, scheduler_mode_agent = (_daemonset(o, "gpuplane-node-agent") for o in (mixed_objects,
+                                                                                  SCHEDULER_MODE_OBJECTS))
+    assert _plain(plugin, renamed=False) == scheduler_mode_agent
+    # the DRA agent: DRA mode's, renamed, with its own account
+    dra, dra_mode_agent = _daemonset(mixed_objects, DRA_AGENT), _daemonset(dra_objects, "gpuplane-node-agent")
+    assert _plain(dra, renamed=True) == _plain(dra_mode_agent, renamed=True)
+    assert dra["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": DRA_AGENT}}
+    assert dra["spec"]["template"]["spec"]["serviceAccountName"] == DRA_AGENT
+    # the scheduler: DRA mode's (scheduler mode's with --dra)
+    [scheduler] = [d for d in _of_kind("Deployment", objects=mixed_objects) if d["metadata"]["name"] ==
+                   "gpuplane-scheduler"]
+    assert _containers(scheduler)[0]["args"] == [*_containers(_scheduler_mode_deployment())[0]["args"], "--dra"]
+    assert scheduler == next(d for d in _of_kind("Deployment", objects=dra_objects)
+                             if d["metadata"]["name"] == "gpuplane-scheduler")
+
+
+def test_mixed_modes_containers_run_real_commands_with_the_least_privilege(
+        mixed_objects: list[tuple[Path, Doc]]) -> None:
+    _check_rendered_workloads(mixed_objects)
+
+
+def test_mixed_mode_grants_each_node_agent_exactly_what_it_calls(mixed_objects: list[tuple[Path, Doc]]) -> None:
+    grants, builtin = _rbac(mixed_objects)
+    accounts = {d["metadata"]["name"] for d in _of_kind("ServiceAccount", objects=mixed_objects)}
+    # Each node agent by what it runs: the device plugin's keeps its own grants, the DRA driver's has DRA mode's
+    # node agent's, no more; each its own account.
+    running = {next(c["name"] for c in _containers(ds) if c["name"] in ("device-plugin", "dra-plugin")):
+               ds["spec"]["template"]["spec"]["serviceAccountName"]
+               for ds in _of_kind("DaemonSet", objects=mixed_objects)}
+    assert running == {"device-plugin": "gpuplane-node-agent", "dra-plugin": DRA_AGENT}
+    assert set(running.values()) <= accounts
+    for account, required in ((running["device-plugin"], REQUIRED["gpuplane-node-agent"]),
+                              (running["dra-plugin"], DRA_NODE_AGENT), ("gpuplane-scheduler", DRA_SCHEDULER)):
+        got = grants[account]
+        assert required - got == set(), f"{account} lacks {sorted(required - got, key=str)}"
+        assert got - required == set(), f"{account} has more than it uses: {sorted(got - required, key=str)}"
+    assert "gpuplane-scheduler" not in builtin
+    others, _ = _rbac(SCHEDULER_MODE_OBJECTS)
+    mine = ("gpuplane-node-agent", DRA_AGENT, "gpuplane-scheduler")
+    assert {a: g for a, g in grants.items() if a not in mine} == {a: g for a, g in others.items() if a not in mine}
+    # the slice admission policy holds the account that writes slices
+    [policy] = _of_kind("ValidatingAdmissionPolicy", objects=mixed_objects)
+    [condition] = policy["spec"]["matchConditions"]
+    assert _cel_literals(condition["expression"]) == [f"system:serviceaccount:{NAMESPACE}:{DRA_AGENT}"]
+
+
+def test_mixed_modes_metrics_service_reaches_both_node_agents(mixed_objects: list[tuple[Path, Doc]]) -> None:
+    [service] = [s for s in _of_kind("Service", objects=mixed_objects) if s["metadata"]["name"] ==
+                 "gpuplane-node-agent"]
+    selector = service["spec"]["selector"]
+    selected = [w for w in _of_kind("Deployment", "DaemonSet", "StatefulSet", objects=mixed_objects)
+                if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert sorted(w["metadata"]["name"] for w in selected) == sorted(NODE_AGENTS)
+    scraped = {port for svc, port in _scrape_jobs().values() if svc == "gpuplane-node-agent"}
+    assert scraped and scraped <= {p["name"] for p in service["spec"]["ports"]}
+    for w in selected:
+        ports = set().union(*(_ports(c) for c in _containers(w)))
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports, w["metadata"]["name"]
+
+
+def test_mixed_modes_component_names_every_file_it_has() -> None:
+    component = yaml.safe_load((MIXED_MODE / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component" and component["components"] == ["../scheduler", "../dra/cluster"]
+    assert _named_below(MIXED_MODE) == {p.resolve() for p in _yaml_files(MIXED_MODE) if p.name not in NOT_API_OBJECTS}
