@@ -1216,7 +1216,7 @@ def test_scheduler_mode_leaves_out_every_piece_of_extender_mode() -> None:
 def test_the_default_install_names_exactly_one_mode() -> None:
     root = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text(encoding="utf-8"))
     assert root["components"] == ["modes/extender"]
-    for mode in ("extender", "scheduler"):
+    for mode in ("extender", "scheduler", "dra", "mixed"):
         component = yaml.safe_load((DEPLOY / "modes" / mode / "kustomization.yaml").read_text(encoding="utf-8"))
         assert component["kind"] == "Component"
     assert _listed(SCHEDULER_MODE / "kustomization.yaml") == {
