@@ -820,8 +820,11 @@ def test_the_node_reporter_follows_the_hosts_kernel_log_and_keeps_its_state_on_t
     spec, reporter = _node_agent_container("node-reporter")
     args = reporter["args"]
     assert args[0] == "node-reporter" and "--once" not in args and "--from-start" not in args
-    [followed] = [args[i + 1] for i, a in enumerate(args) if a == "--follow"]
-    assert _host_path(spec, reporter, followed, writable=False) == "/var/log/kern.log"
+    assert "--follow" not in args
+    candidates = [args[i + 1] for i, a in enumerate(args) if a == "--kernel-log"]
+    # rsyslog's files first (a node with both keeps the same kernel lines in each: one is read), then the journal
+    assert [_host_path(spec, reporter, c, writable=False) for c in candidates] == [
+        "/var/log/kern.log", "/var/log/messages", "/var/log/journal", "/run/log/journal"]
     state = _flag(reporter, "--state-file")
     assert state == str(STATE_FILE)  # the path docs/drills.md names, and the CLI's default
     assert _host_path(spec, reporter, state, writable=True) == str(STATE_FILE)
@@ -848,7 +851,7 @@ def test_the_node_reporter_with_its_manifests_args_makes_only_calls_its_rbac_gra
     # The container's own command line (its paths moved here, --once to end it) against a local API server
     # that logs each request: every request it made is one the node agent's roles allow.
     _, reporter = _node_agent_container("node-reporter")
-    [followed] = [reporter["args"][i + 1] for i, a in enumerate(reporter["args"]) if a == "--follow"]
+    followed = reporter["args"][reporter["args"].index("--kernel-log") + 1]  # the first place looked at
     log = tmp_path / "kern.log"
     log.write_text(f"boot\n{XID_79}\n", encoding="utf-8")
     swap = {followed: str(log), _flag(reporter, "--state-file"): str(tmp_path / "state.json"),

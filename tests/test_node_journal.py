@@ -279,7 +279,7 @@ def test_gpuplane_node_reporter_follows_the_journal_on_a_node_without_kern_log(
         assert returncode == 0, output
 
 
-def test_once_refuses_the_kernel_log_it_would_follow_forever(tmp_path: Path) -> None:
+def test_once_reads_the_first_kernel_log_there_whole(server: FakeApiServer, journal: Journal, tmp_path: Path) -> None:
     from typer import Typer
     from typer.testing import CliRunner
 
@@ -287,5 +287,12 @@ def test_once_refuses_the_kernel_log_it_would_follow_forever(tmp_path: Path) -> 
 
     app = Typer()
     register(app)
-    result = CliRunner().invoke(app, ["--once", "--node-name", "n", "--kernel-log", str(tmp_path)])
-    assert result.exit_code != 0 and "--kernel-log" in result.output
+    journal.write(("kernel", xid("18:00")), ("stdout", xid("3b:00")), ("kernel", "step 1 loss 2.0"))
+    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+    base = ["--once", "--node-name", "gpu-7", "--kubeconfig", str(kubeconfig)]
+    result = CliRunner().invoke(app, [*base, "--kernel-log", str(tmp_path / "kern.log"),
+                                      "--kernel-log", str(journal.directory)])
+    assert result.exit_code == 0, result.output
+    assert "gpu-7: 1 report(s) posted" in result.output and reported_buses(server) == ["18:00"]  # the kernel's
+    missing = CliRunner().invoke(app, [*base, "--kernel-log", str(tmp_path / "kern.log")])
+    assert missing.exit_code != 0 and "none of" in missing.output

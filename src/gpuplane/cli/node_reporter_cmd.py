@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:
             follow_command,
             follow_file,
             follow_kernel_log,
+            read_journal,
             run_reporter,
         )
         from gpuplane.port import WallClock
@@ -96,8 +97,8 @@ def register(app: typer.Typer) -> None:
         node = node_name or os.environ.get("NODE_NAME")
         if not node:
             fail("no node name: pass --node-name or set $NODE_NAME")
-        if once and (command is not None or kernel_log):
-            fail("--once reads --follow files only; --command and --kernel-log run until stopped")
+        if once and command is not None:
+            fail("--once reads the logs only; --command runs until stopped")
         try:
             library = load_signature_library(extra=signatures or ())
         except GpuplaneError as exc:
@@ -114,6 +115,18 @@ def register(app: typer.Typer) -> None:
                 if not path.is_file():
                     fail(f"--follow {path}: no such file")
                 for line in path.read_text(errors="replace").splitlines():
+                    findings.put(Finding(line=line))
+            if kernel_log:  # the first one there, whole (a journal: every kernel entry it keeps)
+                found = find_kernel_log(kernel_log, PositionStore(Path(os.devnull)), from_start=True,
+                                        journalctl=journalctl)
+                if found is None:
+                    fail(f"--kernel-log: none of {', '.join(map(str, kernel_log))} is there")
+                try:
+                    lines = (read_journal(found.path, journalctl=journalctl) if found.journal
+                             else found.path.read_text(errors="replace").splitlines())
+                except (OSError, ValueError) as exc:
+                    fail(f"--kernel-log {found.path}: {exc}")
+                for line in lines:
                     findings.put(Finding(line=line))
             drain(reporter, findings)
             if checks:

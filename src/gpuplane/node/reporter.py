@@ -363,6 +363,17 @@ def journal_end(directory: Path, *, journalctl: str = "journalctl") -> JournalPo
     return None
 
 
+def read_journal(directory: Path, *, journalctl: str = "journalctl") -> list[str]:
+    """Every kernel entry's message in the journal in `directory`, oldest first (`--once`). Raises `OSError`
+    when journalctl cannot run, `ValueError` when it fails (its message)."""
+    done = subprocess.run([journalctl, "--directory", str(directory), "--output=json", "--all", "--no-pager",
+                           KERNEL_MATCH], capture_output=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise ValueError(f"journalctl --directory {directory}: {_stderr(done.stderr)}")
+    messages = (_journal_message((_journal_entry(raw) or {}).get("MESSAGE")) for raw in done.stdout.splitlines())
+    return [m for m in messages if m is not None]
+
+
 def follow_journal(directory: Path, findings: queue.Queue[Finding], stop: threading.Event, *,
                    resume: JournalPosition | None = None, from_start: bool = False, journalctl: str = "journalctl",
                    restart_s: float = 5.0) -> None:
