@@ -114,6 +114,18 @@ class ScorePlugin(Protocol):
         ...
 
 
+@runtime_checkable
+class NeutralScore(Protocol):
+    """A score plugin that can tell, before scoring, that it would give every node 0 (no preference for the pod).
+
+    The framework then skips it: adding 0 leaves the weighted sum bit for bit, so the ties and every random draw
+    are exactly as if it had been scored."""
+
+    def neutral(self, pod: PodRequest, state: ClusterState) -> bool:
+        """True when `score` would return 0 for every node."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class CardPick:
     cards: tuple[CardShare, ...]
@@ -204,6 +216,8 @@ class Framework:
         self.profile = profile
         self.rng = rng
         self._rank = np.zeros(0, np.int64)
+        self._scores = tuple((w, w.plugin.neutral if isinstance(w.plugin, NeutralScore) else None)
+                             for w in profile.scores)
 
     def find_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState, *, diagnose: bool = True,
                    within: BoolArray | None = None, within_reason: str = OUTSIDE,
@@ -251,10 +265,18 @@ class Framework:
         return alive, diagnosis
 
     def score_nodes(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        total = np.zeros(len(nodes), np.float64)
-        for weighted in self.profile.scores:
-            total += weighted.weight * weighted.plugin.score(cycle, pod, state, nodes)
-        return total
+        """The weighted sum of the scores, in the profile's order. Plugins neutral for the pod (`NeutralScore`) are
+        left out: x + 0.0 is x, so the sum is the same (a zero's sign aside, which no comparison sees)."""
+        total: FloatArray | None = None
+        for weighted, neutral in self._scores:
+            if neutral is not None and neutral(pod, state):
+                continue
+            scores = weighted.plugin.score(cycle, pod, state, nodes)
+            if total is None:
+                total = weighted.weight * scores  # 0.0 + w·s; a new array (`scores` may be a plugin's cache)
+            else:
+                total += weighted.weight * scores
+        return total if total is not None else np.zeros(len(nodes), np.float64)
 
     def select(self, nodes: IntArray, scores: FloatArray, size: int = 0) -> int:
         """The highest-scoring node; ties settled per the profile's `TieBreak` (`size`: nodes in the state)."""

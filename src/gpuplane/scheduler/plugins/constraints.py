@@ -2,7 +2,8 @@
 (`NodeAffinityScore`, NodeAffinity's Score) and PreferNoSchedule taints (`TaintTolerationScore`).
 
 Both give every node 0 when they have no preference to express (no preferred terms, no PreferNoSchedule taint the
-pod does not tolerate), so the weighted sum, the ties and every random draw are exactly as without them.
+pod does not tolerate), so the weighted sum, the ties and every random draw are exactly as without them; they say so
+(`NeutralScore.neutral`) and the framework skips them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class NodeAffinityScore:
 
     name = "NodeAffinity"
 
+    def neutral(self, pod: PodRequest, state: ClusterState) -> bool:
+        return not pod.preferred_terms
+
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
         if not pod.preferred_terms:
             return np.zeros(len(nodes), np.float64)
@@ -47,6 +51,9 @@ class TaintTolerationScore:
     normalised reversed)."""
 
     name = "TaintToleration"
+
+    def neutral(self, pod: PodRequest, state: ClusterState) -> bool:
+        return state.prefer_no_schedule_counts(pod) is None
 
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
         counts = state.prefer_no_schedule_counts(pod)
