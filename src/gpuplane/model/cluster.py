@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,8 @@ IntArray = npt.NDArray[np.int64]
 CARD_ROW_ALIGN = 8
 _STATE_UIDS = itertools.count(1)
 """Distinct for every ClusterState and copy: caches key on it (`id()` can be reused after a free)."""
+RowIndex = slice | npt.NDArray[np.int64]
+"""The node rows a `ClusterState.node_mask` computation is asked for: all of them (a slice) or some (indexes)."""
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _TOP_BYTE = np.uint64(56)
 
@@ -69,6 +71,15 @@ def row_count(mask: BoolArray) -> IntArray:
     counts = (words * _BYTE_SUM) >> _TOP_BYTE
     out: IntArray = counts.sum(axis=1, dtype=np.int64) if words.shape[1] > 1 else counts[:, 0].astype(np.int64)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeMask:
+    """One `ClusterState.node_mask`: its rows (capacity rows, like the node arrays) and the `node_version` each
+    node's row was computed at (−1: never)."""
+
+    mask: BoolArray
+    version: IntArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +181,7 @@ class ClusterState:
         self._reset_label_caches()
         self.pod_table = PodTable()
         """Every placed pod and card share as numpy rows (for preemption's vectorised screens)."""
+        self._node_masks: dict[Hashable, _NodeMask] = {}
         self._alloc(0, 0)
         for spec in nodes:
             self.add_node(spec)
@@ -251,6 +263,39 @@ class ClusterState:
         """The live rows of one array, without spare capacity."""
         arr: npt.NDArray[np.generic] = getattr(self, name)
         return arr[: self.size]
+
+    NODE_MASKS_KEPT = 32
+    """Masks `node_mask` keeps (the least recently asked goes first)."""
+
+    def node_mask(self, key: Hashable, compute: Callable[[RowIndex], BoolArray]) -> BoolArray:
+        """The rows of every node of a mask over nodes (or nodes × cards) that depends on each node's own state
+        only, i.e. changes for a node only when its `node_version` does (its accounting, spec, pool, labels,
+        taints). `compute(rows)` gives the mask's rows `rows`; `key` names the computation (one key, one
+        `compute`). The mask is kept per key and recomputed on the rows of the nodes that changed since it was
+        last asked, so asking it again costs a comparison of versions, not the whole mask. Read-only."""
+        n = self.size
+        versions = self.node_version[:n]
+        entry = self._node_masks.pop(key, None)
+        if entry is None or len(entry.version) < n or entry.mask.shape[1:] != (self.width,) * (entry.mask.ndim - 1):
+            full = compute(slice(0, n))
+            mask = np.zeros((len(self.node_version), *full.shape[1:]), np.bool_)
+            mask[:n] = full
+            entry = _NodeMask(mask, np.full(len(self.node_version), -1, np.int64))
+            entry.version[:n] = versions
+        else:
+            stale = np.flatnonzero(entry.version[:n] != versions)
+            if len(stale) > n // 8:
+                entry.mask[:n] = compute(slice(0, n))
+                entry.version[:n] = versions
+            elif len(stale):
+                entry.mask[stale] = compute(stale)
+                entry.version[stale] = versions[stale]
+        self._node_masks[key] = entry  # last: the most recently asked
+        if len(self._node_masks) > self.NODE_MASKS_KEPT:
+            del self._node_masks[next(iter(self._node_masks))]
+        out = entry.mask[:n]
+        out.flags.writeable = False
+        return out
 
     # ---------------------------------------------------------------- nodes
     def model_of(self, node: int) -> CardModel | None:
@@ -786,6 +831,7 @@ class ClusterState:
         clone._pool_masks = dict(self._pool_masks)
         clone._taint_masks = dict(self._taint_masks)
         clone._prefer_counts = dict(self._prefer_counts)
+        clone._node_masks = {}
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:

@@ -8,11 +8,13 @@ does not implement (`PodRequest.unsupported`) is refused on every node, unresolv
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 
 from gpuplane.model import ClusterState, Fraction, MigSlice, PodRequest, WholeCards
-from gpuplane.scheduler.framework import CardCheck, Check, CycleState, NodeCheck
+from gpuplane.model.cluster import RowIndex
+from gpuplane.scheduler.framework import BoolArray, CardCheck, Check, CycleState, NodeCheck
 
 # Reason strings are constants so that messages aggregate and tests can name them.
 UNSCHEDULABLE_NODE = "node(s) were unschedulable"
@@ -79,23 +81,25 @@ class GpuFit:
     name = "GpuFit"
 
     def checks(self, cycle: CycleState, pod: PodRequest, state: ClusterState) -> Iterator[Check]:
-        n = state.size
         gpu = pod.gpu
+        # Each card mask depends on its node's own state only: kept per node version (`ClusterState.node_mask`).
         if isinstance(gpu, WholeCards):
-            idle = (state.card_holders[:n] == 0) & ~state.card_mig[:n]
-            yield CardCheck(INSUFFICIENT_IDLE_GPUS, idle)
+            yield CardCheck(INSUFFICIENT_IDLE_GPUS, state.node_mask(_IDLE, partial(_idle_cards, state)))
         elif isinstance(gpu, Fraction):
-            yield CardCheck(CARDS_IN_MIG_MODE, ~state.card_mig[:n])
+            yield CardCheck(CARDS_IN_MIG_MODE, state.node_mask(_NOT_MIG, partial(_not_mig, state)))
             if gpu.compute_milli:
-                yield CardCheck(INSUFFICIENT_GPU_COMPUTE, state.card_milli_free[:n] >= gpu.compute_milli)
+                yield CardCheck(INSUFFICIENT_GPU_COMPUTE, state.node_mask(
+                    (_COMPUTE, gpu.compute_milli), partial(_compute_at_least, state, gpu.compute_milli)))
             if gpu.memory_mib:
-                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.card_mem_free[:n] >= gpu.memory_mib)
+                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.node_mask(
+                    (_MEMORY, gpu.memory_mib), partial(_memory_at_least, state, gpu.memory_mib)))
             elif gpu.memory_pct:
-                need = state.card_mem_phys[:n] * gpu.memory_pct // 100
-                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.card_mem_free[:n] >= need)
+                yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.node_mask(
+                    (_MEMORY_PCT, gpu.memory_pct), partial(_memory_pct_at_least, state, gpu.memory_pct)))
             if gpu.encoders or gpu.decoders:
-                yield CardCheck(INSUFFICIENT_CODECS, (state.card_enc_free[:n] >= gpu.encoders)
-                                & (state.card_dec_free[:n] >= gpu.decoders))
+                yield CardCheck(INSUFFICIENT_CODECS, state.node_mask(
+                    (_CODECS, gpu.encoders, gpu.decoders), partial(_codecs_at_least, state, gpu.encoders,
+                                                                    gpu.decoders)))
         elif isinstance(gpu, MigSlice):
             yield from self._mig_checks(gpu, state)
 
@@ -126,3 +130,38 @@ class GpuFit:
         usable = state.card_mig_allowed[:n] & (state.card_mig[:n] | (state.card_holders[:n] == 0))
         yield CardCheck(NO_MIG_CARD, usable)
         yield CardCheck(NO_MIG_SLOT, slot_ok)
+
+
+_IDLE, _NOT_MIG, _COMPUTE, _MEMORY, _MEMORY_PCT, _CODECS = (
+    "GpuFit/idle", "GpuFit/not-mig", "GpuFit/compute", "GpuFit/memory", "GpuFit/memory-pct", "GpuFit/codecs")
+"""`ClusterState.node_mask` keys of GpuFit's card masks (with the pod's amounts)."""
+
+
+def _idle_cards(state: ClusterState, rows: RowIndex) -> BoolArray:
+    out: BoolArray = (state.card_holders[rows] == 0) & ~state.card_mig[rows]
+    return out
+
+
+def _not_mig(state: ClusterState, rows: RowIndex) -> BoolArray:
+    out: BoolArray = ~state.card_mig[rows]
+    return out
+
+
+def _compute_at_least(state: ClusterState, milli: int, rows: RowIndex) -> BoolArray:
+    out: BoolArray = state.card_milli_free[rows] >= milli
+    return out
+
+
+def _memory_at_least(state: ClusterState, mib: int, rows: RowIndex) -> BoolArray:
+    out: BoolArray = state.card_mem_free[rows] >= mib
+    return out
+
+
+def _memory_pct_at_least(state: ClusterState, pct: int, rows: RowIndex) -> BoolArray:
+    out: BoolArray = state.card_mem_free[rows] >= state.card_mem_phys[rows] * pct // 100
+    return out
+
+
+def _codecs_at_least(state: ClusterState, encoders: int, decoders: int, rows: RowIndex) -> BoolArray:
+    out: BoolArray = (state.card_enc_free[rows] >= encoders) & (state.card_dec_free[rows] >= decoders)
+    return out
