@@ -686,7 +686,8 @@ class ClusterState:
     def place(self, request: PodRequest, assignment: Assignment, *, check: bool = True) -> Binding:
         """Apply an assignment. Raises PlacementError when it does not fit (stale decision or bug).
 
-        `check=False` skips the fit check: only for putting back a binding just released (what-ifs).
+        `check=False` skips the fit check: only for a caller that has just run `check` on this state itself, or
+        for putting back a binding just released (what-ifs).
         """
         reason = self.check(assignment, request) if check else None
         if reason is not None:

@@ -146,7 +146,7 @@ class SimCluster:
         reason = self.state.check(assignment, info.request)
         if reason is not None:
             return Status.error(f"conflict: {reason}")
-        self.state.place(info.request, assignment)
+        self.state.place(info.request, assignment, check=False)  # just checked
         bound = replace(info, phase=PodPhase.RUNNING, assignment=assignment, bound_at=self.loop.now())
         self._pods[pod] = bound
         self._emit(EventKind.POD_BOUND, pod=bound)
