@@ -247,18 +247,21 @@ class Framework:
                     if gpu is None:
                         continue
                     np.logical_and(card_ok, check.passed, out=card_ok)
-                    fits = row_count(card_ok) >= need if need > 1 else row_any(card_ok)
-                    failed = alive & ~fits
+                    passed = row_count(card_ok) >= need if need > 1 else row_any(card_ok)
                 else:
-                    failed = alive & ~check.passed
-                if reason_of is not None and failed.any():
+                    passed = check.passed
+                if reason_of is None:
+                    alive &= passed
+                    continue
+                failed = alive & ~passed
+                if failed.any():
                     if check.reason not in reasons:
                         reasons.append(check.reason)
                     idx = reasons.index(check.reason)
                     reason_of[failed] = idx
                     if not check.resolvable:
                         unresolvable.add(idx)
-                alive &= ~failed
+                    alive ^= failed  # failed ⊆ alive
             if not alive.any():
                 break
         diagnosis = Diagnosis(reasons, reason_of, unresolvable) if reason_of is not None else None
@@ -301,10 +304,12 @@ class Framework:
         `cycle` may carry keys a caller seeds for score plugins (a gang's placed members).
         """
         cycle = cycle if cycle is not None else CycleState()
-        alive, diagnosis = self.find_nodes(cycle, pod, state, within=within, within_reason=within_reason,
-                                           within_resolvable=within_resolvable)
+        # Why nodes were rejected matters only when the pod goes nowhere: the filters run without the diagnosis
+        # first, and again with it (they are pure: the same nodes pass) only then.
+        alive, _ = self.find_nodes(cycle, pod, state, diagnose=False, within=within)
         card_ok = cycle.read(CARD_OK)
         candidates = np.flatnonzero(alive)
+        refused: list[int] = []
         while len(candidates):
             scores = self.score_nodes(cycle, pod, state, candidates)
             node = self.select(candidates, scores, state.size)
@@ -314,13 +319,16 @@ class Framework:
                                         oversubscribed=_oversubscribed(state, node, pick.cards))
                 return Decision(Status.success(), assignment, node)
             # The filters promised a fit the picker could not honour: reject the node, try the next.
-            if diagnosis is not None:
-                reason = f"no card combination satisfies {self.profile.picker.name}"
-                if reason not in diagnosis.reasons:
-                    diagnosis.reasons.append(reason)
-                diagnosis.reason_of[node] = diagnosis.reasons.index(reason)
+            refused.append(node)
             candidates = candidates[candidates != node]
+        _, diagnosis = self.find_nodes(cycle, pod, state, within=within, within_reason=within_reason,
+                                       within_resolvable=within_resolvable)
         assert diagnosis is not None
+        if refused:
+            reason = f"no card combination satisfies {self.profile.picker.name}"
+            if reason not in diagnosis.reasons:
+                diagnosis.reasons.append(reason)
+            diagnosis.reason_of[refused] = diagnosis.reasons.index(reason)
         # Preemption can help only if some node was rejected for a reason that freeing capacity fixes.
         rejected = {int(i) for i in np.unique(diagnosis.reason_of) if i >= 0}
         resolvable = not rejected or bool(rejected - diagnosis.unresolvable)
