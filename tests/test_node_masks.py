@@ -9,7 +9,9 @@ import numpy as np
 
 from builders import cluster, framework, node, pod, renamed
 from gpuplane.model import ClusterState, NodeSpecError, PodRequest, PoolConfig
+from gpuplane.scheduler import ResourceWeights
 from gpuplane.scheduler.framework import CARD_OK, CardCheck, CycleState
+from gpuplane.scheduler.plugins.allocation import BinpackScore, SpreadScore, _vectors
 from gpuplane.scheduler.plugins.fit import GpuFit
 
 REQUESTS = [
@@ -89,3 +91,29 @@ def test_neutral_scores_are_skipped_without_changing_the_sum() -> None:
     for weighted in fw.profile.scores:
         summed += weighted.weight * weighted.plugin.score(CycleState(), request, state, nodes)
     assert fw.score_nodes(CycleState(), request, state, nodes).tobytes() == summed.tobytes()
+
+
+def test_allocation_scores_kept_per_node_equal_a_fresh_computation() -> None:
+    """Binpack and spread keep each node's score per node version; every subset of nodes scores as computed afresh
+    over that subset, bit for bit, through placements and releases."""
+    specs = [node(f"n{i}").gpus(2 + i % 3).cpu(16000 + 1000 * i).mem(65536 + 4096 * i).obj() for i in range(20)]
+    state = cluster(*specs)
+    rng = np.random.default_rng(5)
+    plugins = [BinpackScore(), SpreadScore(), BinpackScore(ResourceWeights(1.0, 1.0, 1.0)),
+               SpreadScore(ResourceWeights(0.5, 2.0, 1.0))]
+    fw = framework("binpack")
+    placed: list[str] = []
+    for step in range(150):
+        if rng.integers(3) or not placed:
+            named = renamed(REQUESTS[int(rng.integers(len(REQUESTS)))], f"p{step}")
+            decision = fw.schedule(named, state)
+            if decision.assignment is not None:
+                state.place(named, decision.assignment)
+                placed.append(named.name)
+        else:
+            state.release(placed.pop(int(rng.integers(len(placed)))))
+        nodes = np.flatnonzero(rng.random(state.size) < 0.7)
+        for request in REQUESTS[:3]:
+            for plugin in plugins:
+                fresh = plugin._function(*_vectors(request, state, nodes, plugin.weights))
+                assert plugin.score(CycleState(), request, state, nodes).tobytes() == fresh.tobytes(), step

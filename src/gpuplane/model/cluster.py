@@ -18,6 +18,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,12 +45,14 @@ from gpuplane.model.request import (
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 CARD_ROW_ALIGN = 8
 _STATE_UIDS = itertools.count(1)
 """Distinct for every ClusterState and copy: caches key on it (`id()` can be reused after a free)."""
 RowIndex = slice | npt.NDArray[np.int64]
-"""The node rows a `ClusterState.node_mask` computation is asked for: all of them (a slice) or some (indexes)."""
+"""The node rows a `ClusterState.node_mask` (or `node_values`) computation is asked for: all of them (a slice)
+or some (indexes)."""
 _BYTE_SUM = np.uint64(0x0101010101010101)
 _TOP_BYTE = np.uint64(56)
 
@@ -74,11 +77,11 @@ def row_count(mask: BoolArray) -> IntArray:
 
 
 @dataclass(frozen=True, slots=True)
-class _NodeMask:
-    """One `ClusterState.node_mask`: its rows (capacity rows, like the node arrays) and the `node_version` each
-    node's row was computed at (−1: never)."""
+class _KeptRows:
+    """One `ClusterState.node_mask` or `node_values`: its rows (capacity rows, like the node arrays) and the
+    `node_version` each node's row was computed at (−1: never)."""
 
-    mask: BoolArray
+    rows: npt.NDArray[Any]
     version: IntArray
 
 
@@ -181,7 +184,7 @@ class ClusterState:
         self._reset_label_caches()
         self.pod_table = PodTable()
         """Every placed pod and card share as numpy rows (for preemption's vectorised screens)."""
-        self._node_masks: dict[Hashable, _NodeMask] = {}
+        self._kept: dict[Hashable, _KeptRows] = {}
         self._alloc(0, 0)
         for spec in nodes:
             self.add_node(spec)
@@ -264,36 +267,47 @@ class ClusterState:
         arr: npt.NDArray[np.generic] = getattr(self, name)
         return arr[: self.size]
 
-    NODE_MASKS_KEPT = 32
-    """Masks `node_mask` keeps (the least recently asked goes first)."""
+    ROWS_KEPT = 64
+    """Masks and values `node_mask` and `node_values` keep, together (the least recently asked goes first)."""
 
     def node_mask(self, key: Hashable, compute: Callable[[RowIndex], BoolArray]) -> BoolArray:
         """The rows of every node of a mask over nodes (or nodes × cards) that depends on each node's own state
         only, i.e. changes for a node only when its `node_version` does (its accounting, spec, pool, labels,
         taints). `compute(rows)` gives the mask's rows `rows`; `key` names the computation (one key, one
         `compute`). The mask is kept per key and recomputed on the rows of the nodes that changed since it was
-        last asked, so asking it again costs a comparison of versions, not the whole mask. Read-only."""
+        last asked, so asking it again costs a comparison of versions, not the whole mask. Read-only, and valid
+        until the state next changes."""
+        out: BoolArray = self._kept_rows(key, compute, np.bool_)
+        return out
+
+    def node_values(self, key: Hashable, compute: Callable[[RowIndex], FloatArray]) -> FloatArray:
+        """`node_mask` for values (per node, a score that depends on the node's own state only)."""
+        out: FloatArray = self._kept_rows(key, compute, np.float64)
+        return out
+
+    def _kept_rows(self, key: Hashable, compute: Callable[[RowIndex], npt.NDArray[Any]],
+                   dtype: type[np.generic]) -> npt.NDArray[Any]:
         n = self.size
         versions = self.node_version[:n]
-        entry = self._node_masks.pop(key, None)
-        if entry is None or len(entry.version) < n or entry.mask.shape[1:] != (self.width,) * (entry.mask.ndim - 1):
+        kept = self._kept.pop(key, None)
+        if kept is None or len(kept.version) < n or kept.rows.shape[1:] != (self.width,) * (kept.rows.ndim - 1):
             full = compute(slice(0, n))
-            mask = np.zeros((len(self.node_version), *full.shape[1:]), np.bool_)
-            mask[:n] = full
-            entry = _NodeMask(mask, np.full(len(self.node_version), -1, np.int64))
-            entry.version[:n] = versions
+            rows = np.zeros((len(self.node_version), *full.shape[1:]), dtype)
+            rows[:n] = full
+            kept = _KeptRows(rows, np.full(len(self.node_version), -1, np.int64))
+            kept.version[:n] = versions
         else:
-            stale = np.flatnonzero(entry.version[:n] != versions)
+            stale = np.flatnonzero(kept.version[:n] != versions)
             if len(stale) > n // 8:
-                entry.mask[:n] = compute(slice(0, n))
-                entry.version[:n] = versions
+                kept.rows[:n] = compute(slice(0, n))
+                kept.version[:n] = versions
             elif len(stale):
-                entry.mask[stale] = compute(stale)
-                entry.version[stale] = versions[stale]
-        self._node_masks[key] = entry  # last: the most recently asked
-        if len(self._node_masks) > self.NODE_MASKS_KEPT:
-            del self._node_masks[next(iter(self._node_masks))]
-        out = entry.mask[:n]
+                kept.rows[stale] = compute(stale)
+                kept.version[stale] = versions[stale]
+        self._kept[key] = kept  # last: the most recently asked
+        if len(self._kept) > self.ROWS_KEPT:
+            del self._kept[next(iter(self._kept))]
+        out = kept.rows[:n]
         out.flags.writeable = False
         return out
 
@@ -832,7 +846,7 @@ class ClusterState:
         clone._pool_masks = dict(self._pool_masks)
         clone._taint_masks = dict(self._taint_masks)
         clone._prefer_counts = dict(self._prefer_counts)
-        clone._node_masks = {}
+        clone._kept = {}
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from gpuplane.model import ClusterState, PodRequest
+from gpuplane.model.cluster import RowIndex
 from gpuplane.scheduler.framework import CycleState, FloatArray, IntArray
 from gpuplane.scheduler.scoring import least_allocated, most_allocated
 
@@ -35,7 +37,11 @@ class ResourceWeights:
         return np.array([self.gpu, self.cpu, self.memory], np.float64)
 
 
-def _vectors(pod: PodRequest, state: ClusterState, nodes: IntArray,
+_ALLOCATION = "allocation"
+"""The `ClusterState.node_values` key prefix of the allocation scores."""
+
+
+def _vectors(pod: PodRequest, state: ClusterState, nodes: RowIndex,
              weights: FloatArray) -> tuple[IntArray, IntArray, IntArray, FloatArray]:
     """(used, request, capacity, weights) over the dimensions whose weight is not zero."""
     dims = np.flatnonzero(weights)
@@ -63,9 +69,20 @@ class _AllocationScore:
 
     def __init__(self, weights: ResourceWeights | None = None) -> None:
         self.weights = (weights or ResourceWeights()).array()
+        self._weights_key = self.weights.tobytes()
 
     def score(self, cycle: CycleState, pod: PodRequest, state: ClusterState, nodes: IntArray) -> FloatArray:
-        return self._function(*_vectors(pod, state, nodes, self.weights))
+        # A node's score depends on its own accounting alone: kept per node version (`ClusterState.node_values`)
+        # for what the pod asks of the weighted dimensions. Every operation is per node (the sum over the
+        # dimensions too), so a node scores the same bit for bit whichever nodes are computed with it.
+        asked = tuple(r for r, w in zip((pod.gpu_milli_total, pod.cpu_milli, pod.memory_mib), self.weights,
+                                        strict=True) if w)
+        key = (_ALLOCATION, self._function, self._weights_key, asked)
+        out: FloatArray = state.node_values(key, partial(self._rows, pod, state))[nodes]
+        return out
+
+    def _rows(self, pod: PodRequest, state: ClusterState, rows: RowIndex) -> FloatArray:
+        return self._function(*_vectors(pod, state, rows, self.weights))
 
 
 class BinpackScore(_AllocationScore):
