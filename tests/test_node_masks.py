@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 
 from builders import cluster, framework, node, pod, renamed
 from gpuplane.model import ClusterState, NodeSpecError, PodRequest, PoolConfig
@@ -37,10 +38,13 @@ def _checks(request: PodRequest, state: ClusterState) -> list[tuple[str, bytes]]
             if isinstance(c, CardCheck)]
 
 
-def test_card_masks_follow_every_change() -> None:
+@pytest.mark.parametrize("logged", [1024, 1])
+def test_card_masks_follow_every_change(logged: int) -> None:
+    """`logged` 1: the log of changed nodes is cut every few changes, so masks also catch up by their versions."""
     specs = [node(f"n{i}").gpus(1 + i % 4, "T4" if i % 3 else "A100-40GB").cpu(64000).mem(262144).obj()
              for i in range(12)]
     state = cluster(*specs, pools={"dev": PoolConfig(memory_oversell=2.0)})
+    state.CHANGES_LOGGED_MIN = logged
     fw = framework("binpack")
     rng = np.random.default_rng(3)
     placed: list[str] = []

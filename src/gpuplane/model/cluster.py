@@ -76,13 +76,15 @@ def row_count(mask: BoolArray) -> IntArray:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _KeptRows:
-    """One `ClusterState.node_mask` or `node_values`: its rows (capacity rows, like the node arrays) and the
-    `node_version` each node's row was computed at (−1: never)."""
+    """One `ClusterState.node_mask` or `node_values`: its rows (capacity rows, like the node arrays), the
+    `node_version` each node's row was computed at (−1: never) and how many changes (`ClusterState._changed`) it
+    has seen."""
 
     rows: npt.NDArray[Any]
     version: IntArray
+    seen: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,9 @@ class ClusterState:
         self.pod_table = PodTable()
         """Every placed pod and card share as numpy rows (for preemption's vectorised screens)."""
         self._kept: dict[Hashable, _KeptRows] = {}
+        self._changed: list[int] = []
+        """The nodes whose `node_version` moved (or that were added), in order, since `_changed_base` changes."""
+        self._changed_base = 0
         self._alloc(0, 0)
         for spec in nodes:
             self.add_node(spec)
@@ -269,14 +274,16 @@ class ClusterState:
 
     ROWS_KEPT = 64
     """Masks and values `node_mask` and `node_values` keep, together (the least recently asked goes first)."""
+    CHANGES_LOGGED_MIN = 1024
+    """The log of changed nodes is halved past 4 × max(nodes, this) entries."""
 
     def node_mask(self, key: Hashable, compute: Callable[[RowIndex], BoolArray]) -> BoolArray:
         """The rows of every node of a mask over nodes (or nodes × cards) that depends on each node's own state
         only, i.e. changes for a node only when its `node_version` does (its accounting, spec, pool, labels,
         taints). `compute(rows)` gives the mask's rows `rows`; `key` names the computation (one key, one
         `compute`). The mask is kept per key and recomputed on the rows of the nodes that changed since it was
-        last asked, so asking it again costs a comparison of versions, not the whole mask. Read-only, and valid
-        until the state next changes."""
+        last asked (a log of changed nodes names them), so asking it again costs those rows, not the whole mask.
+        Read-only, and valid until the state next changes."""
         out: BoolArray = self._kept_rows(key, compute, np.bool_)
         return out
 
@@ -289,27 +296,43 @@ class ClusterState:
                    dtype: type[np.generic]) -> npt.NDArray[Any]:
         n = self.size
         versions = self.node_version[:n]
+        changes = self._changed_base + len(self._changed)
         kept = self._kept.pop(key, None)
         if kept is None or len(kept.version) < n or kept.rows.shape[1:] != (self.width,) * (kept.rows.ndim - 1):
             full = compute(slice(0, n))
             rows = np.zeros((len(self.node_version), *full.shape[1:]), dtype)
             rows[:n] = full
-            kept = _KeptRows(rows, np.full(len(self.node_version), -1, np.int64))
+            kept = _KeptRows(rows, np.full(len(self.node_version), -1, np.int64), changes)
             kept.version[:n] = versions
-        else:
-            stale = np.flatnonzero(kept.version[:n] != versions)
-            if len(stale) > n // 8:
+        elif kept.seen != changes:
+            since = kept.seen - self._changed_base
+            if changes - kept.seen > n // 8:
+                stale = None
+            elif since >= 0:  # the nodes changed since, from the log (a node changed twice is computed once)
+                stale = np.unique(np.array(self._changed[since:], np.int64))
+            else:  # the log was cut since: compare versions
+                stale = np.flatnonzero(kept.version[:n] != versions)
+            if stale is None or len(stale) > n // 8:
                 kept.rows[:n] = compute(slice(0, n))
                 kept.version[:n] = versions
             elif len(stale):
                 kept.rows[stale] = compute(stale)
                 kept.version[stale] = versions[stale]
+            kept.seen = changes
         self._kept[key] = kept  # last: the most recently asked
         if len(self._kept) > self.ROWS_KEPT:
             del self._kept[next(iter(self._kept))]
         out = kept.rows[:n]
         out.flags.writeable = False
         return out
+
+    def _node_changed(self, n: int) -> None:
+        """Node `n`'s row changed (its `node_version` moved, or it was added): log it for `_kept_rows`."""
+        self._changed.append(n)
+        if len(self._changed) > 4 * max(self.size, self.CHANGES_LOGGED_MIN):  # older rows then compare versions
+            cut = len(self._changed) // 2
+            del self._changed[:cut]
+            self._changed_base += cut
 
     # ---------------------------------------------------------------- nodes
     def model_of(self, node: int) -> CardModel | None:
@@ -357,6 +380,7 @@ class ClusterState:
         if spec.taints:
             self.tainted.add(n)
         self._reset_label_caches()
+        self._node_changed(n)
         return n
 
     def _set_pool(self, n: int, pool: str) -> None:
@@ -457,6 +481,7 @@ class ClusterState:
             self._set_foreign(n, spec.foreign_cards)
         self.schedulable[n] = spec.schedulable
         self.node_version[n] += 1
+        self._node_changed(n)
         if spec.pool != old.pool or spec.taints != old.taints:
             self._reset_node_masks()
         if spec.taints:
@@ -745,6 +770,7 @@ class ClusterState:
                              s.whole, s.mig_profile is not None) for s in assignment.cards])
         self.node_pods[n].add(request.name)
         self.node_version[n] += 1
+        self._node_changed(n)
         return binding
 
     def _place_mig(self, n: int, c: int, pod: str, profile_id: int, start: int) -> None:
@@ -763,6 +789,7 @@ class ClusterState:
         self.pod_table.remove(pod)
         self.node_pods[binding.node].discard(pod)
         self.node_version[binding.node] += 1
+        self._node_changed(binding.node)
         n, assignment, request = binding.node, binding.assignment, binding.request
         self.cpu_free[n] += request.cpu_milli
         self.mem_free[n] += request.memory_mib
@@ -847,6 +874,7 @@ class ClusterState:
         clone._taint_masks = dict(self._taint_masks)
         clone._prefer_counts = dict(self._prefer_counts)
         clone._kept = {}
+        clone._changed = []
         return clone
 
     def fingerprint(self) -> tuple[bytes, ...]:
