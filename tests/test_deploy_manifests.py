@@ -67,6 +67,9 @@ those `kubectl kustomize` renders (checked after scheduler mode's, at the end of
 MIXED_MODE = DEPLOY / "modes" / "mixed"
 """Mixed mode: DRA mode's agent on the nodes labelled gpuplane.io/gpu-api=dra, scheduler mode's on the other GPU
 nodes; rendered as DRA mode is (checked last)."""
+OPERATOR_HA = DEPLOY / "components" / "operator-ha-rwx"
+"""The operator's two-replica form on ReadWriteMany storage: a component added beside the mode (checked after the
+operator's ledger below)."""
 NOT_KUBERNETES = (DEPLOY / "monitoring", DEPLOY / "grafana")
 """Prometheus' and Grafana's own files (tests/test_alert_rules.py, tests/test_grafana.py; the scrape jobs below)."""
 SCRAPE_CONFIG = DEPLOY / "monitoring" / "prometheus-scrape.yaml"
@@ -77,6 +80,7 @@ def _yaml_files(root: Path = DEPLOY) -> list[Path]:
                   and RDMA not in p.parents and (root == SCHEDULER_MODE or SCHEDULER_MODE not in p.parents)
                   and (root == DRA_MODE or DRA_MODE not in p.parents)
                   and (root == MIXED_MODE or MIXED_MODE not in p.parents)
+                  and (root == OPERATOR_HA or OPERATOR_HA not in p.parents)
                   and not any(d in p.parents for d in NOT_KUBERNETES))
 
 
@@ -488,12 +492,127 @@ def test_the_ledger_check_catches_a_broken_deployment(path: str, value: Any, pro
 
 
 def test_a_readwritemany_claim_allows_the_standby_replica() -> None:
-    # The documented alternative: ReadWriteMany storage, two replicas, the rolling update back.
+    # ReadWriteMany storage, two replicas, a rolling update: what components/operator-ha-rwx makes of the shipped
+    # objects (rendered below); here by hand, so that the check itself is seen to allow it.
     claims = {c["metadata"]["name"]: c for c in _of_kind("PersistentVolumeClaim")}
     rwx = {n: _with(c, "spec.accessModes", ["ReadWriteMany"]) for n, c in claims.items()}
     two = _with(_with(_one("Deployment", "gpuplane-operator"), "spec.replicas", 2), "spec.strategy", None)
     assert _operator_ledger(two, rwx) == []
     assert kubernetes_validate.validate(two, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+# ------------------------------------------------------------------ the operator on ReadWriteMany storage
+def _operator_ha(objects: list[Doc]) -> list[str]:
+    """What is wrong with the operator's two-replica form (empty: nothing): besides the ledger check, a standby
+    always there to take the Lease, during a rollout (no replica stopped before its successor is up) and during a
+    drain (a PodDisruptionBudget that selects the operator's pods and keeps one)."""
+    claims = {d["metadata"]["name"]: d for d in objects if d["kind"] == "PersistentVolumeClaim"}
+    [operator] = [d for d in objects if d["kind"] == "Deployment" and d["metadata"]["name"] == "gpuplane-operator"]
+    problems = _operator_ledger(operator, claims)
+    spec = operator["spec"]
+    if spec.get("replicas", 1) < 2:
+        problems.append(f"{spec.get('replicas', 1)} replica(s): no standby")
+    strategy = spec.get("strategy", {"type": "RollingUpdate"})
+    if strategy["type"] != "RollingUpdate":
+        problems.append(f"strategy {strategy['type']}: every replica stops before a new one starts")
+    elif strategy.get("rollingUpdate", {}).get("maxUnavailable", "25%") not in (0, "0%"):
+        problems.append("maxUnavailable is not 0: a rollout may stop a replica before its successor is up")
+    labels = spec["template"]["metadata"]["labels"]
+    budgets = [d for d in objects if d["kind"] == "PodDisruptionBudget"
+               and d["metadata"]["namespace"] == operator["metadata"]["namespace"]
+               and d["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+    if not any(b["spec"].get("minAvailable", 0) >= 1 for b in budgets):
+        problems.append("no PodDisruptionBudget keeps one operator replica through a drain")
+    anti = spec["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+    terms = [t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    terms += anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    if not any(t["topologyKey"] == "kubernetes.io/hostname"
+               and t["labelSelector"]["matchLabels"].items() <= labels.items() for t in terms):
+        problems.append("no anti-affinity spreads the replicas over nodes")
+    return problems
+
+
+def _key(d: Doc) -> tuple[str, str | None, str]:
+    return d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def operator_ha(tmp_path_factory: pytest.TempPathFactory) -> list[Doc]:
+    return _render(["modes/extender", "components/operator-ha-rwx"], tmp_path_factory.mktemp("operator-ha"))
+
+
+@pytest.fixture(scope="module")
+def default_install(tmp_path_factory: pytest.TempPathFactory) -> list[Doc]:
+    return _render(["modes/extender"], tmp_path_factory.mktemp("default"))
+
+
+def test_the_operator_ha_component_names_every_file_it_has() -> None:
+    component = yaml.safe_load((OPERATOR_HA / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert component["kind"] == "Component"
+    assert _named_below(OPERATOR_HA) == {
+        p.resolve() for p in _yaml_files(OPERATOR_HA) if p.name not in NOT_API_OBJECTS}
+
+
+def test_the_operator_ha_component_validates_strictly(operator_ha: list[Doc], default_install: list[Doc]) -> None:
+    before = {_key(d) for d in default_install}
+    changed = [d for d in operator_ha if _key(d) not in before or d not in default_install]
+    # the claim, the Deployment and the new PodDisruptionBudget; nothing else moves
+    assert sorted(map(_key, changed)) == [("Deployment", NAMESPACE, "gpuplane-operator"),
+                                          ("PersistentVolumeClaim", NAMESPACE, "gpuplane-operator-ledger"),
+                                          ("PodDisruptionBudget", NAMESPACE, "gpuplane-operator")]
+    assert {_key(d) for d in operator_ha} - before == {("PodDisruptionBudget", NAMESPACE, "gpuplane-operator")}
+    for doc in changed:
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION, _key(doc)
+
+
+def test_the_operator_ha_component_runs_two_replicas_on_one_readwritemany_ledger(operator_ha: list[Doc]) -> None:
+    assert _operator_ha(operator_ha) == []
+    [claim] = [d for d in operator_ha if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    [operator] = [d for d in operator_ha if _key(d) == ("Deployment", NAMESPACE, "gpuplane-operator")]
+    assert operator["spec"]["replicas"] == 2
+    # maxSurge 1, maxUnavailable 0: 2 + 1 pods at most during a rollout, never fewer than 2 ready
+    assert operator["spec"]["strategy"] == {"type": "RollingUpdate",
+                                            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    # the same --ledger, parsed by the CLI's own parser, on the same mount and claim as the shipped form
+    [container] = _containers(operator)
+    _, *flags = container["args"]
+    params = _CLI.commands["operator"].make_context("gpuplane operator", list(flags)).params  # type: ignore[attr-defined]
+    assert str(params["ledger"]) == "/var/lib/gpuplane/ledger/ledger.jsonl"
+    assert params["lease_name"] == "gpuplane-operator"
+
+
+def test_the_shipped_operator_is_not_the_ha_form(default_install: list[Doc]) -> None:
+    # The same check fails the one-replica form on ReadWriteOnce storage, for its reasons.
+    assert _operator_ha(default_install) == ["1 replica(s): no standby",
+                                             "strategy Recreate: every replica stops before a new one starts",
+                                             "no PodDisruptionBudget keeps one operator replica through a drain"]
+
+
+_HA_BREAKS = [
+    # (kind, what is changed, the value, the problem reported)
+    ("PersistentVolumeClaim", "spec.accessModes", ["ReadWriteOnce"], "2 replicas on a ['ReadWriteOnce'] claim"),
+    ("Deployment", "spec.replicas", 1, "1 replica(s): no standby"),
+    ("Deployment", "spec.strategy.rollingUpdate.maxUnavailable", 1, "maxUnavailable is not 0"),
+    ("Deployment", "spec.strategy.rollingUpdate", None, "maxUnavailable is not 0"),  # the default is 25 %
+    ("PodDisruptionBudget", "spec.minAvailable", 0, "no PodDisruptionBudget"),
+    ("PodDisruptionBudget", "spec.selector.matchLabels", {"app.kubernetes.io/name": "other"}, "no PodDisruption"),
+    ("Deployment", f"{_POD}.affinity", None, "no anti-affinity"),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "value", "problem"), _HA_BREAKS, ids=[p for *_, p in _HA_BREAKS])
+def test_the_ha_check_catches_a_broken_component(operator_ha: list[Doc], kind: str, path: str, value: Any,
+                                                 problem: str) -> None:
+    broken = [_with(d, path, value) if d["kind"] == kind and d["metadata"]["name"].startswith("gpuplane-operator")
+              else d for d in operator_ha]
+    problems = _operator_ha(broken)
+    assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize("mode", ["modes/scheduler", "modes/dra", "modes/mixed"])
+def test_the_operator_ha_component_goes_with_every_mode(mode: str, tmp_path: Path) -> None:
+    assert _operator_ha(_render([mode, "components/operator-ha-rwx"], tmp_path)) == []
 
 
 # Subresource calls as the code spells them (`pod_path(ns, name, "binding")`, f"{path}/scale") → the grant
