@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+import math
+import re
+import shutil
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -38,11 +41,15 @@ from gpuplane.model import (
     WholeCards,
     default_catalog,
 )
+from gpuplane.node.exporter import Exporter, PodRef, StaticPodMapper
+from gpuplane.node.gpu import GIB, FakeGpuBackend
 from gpuplane.port import PodInfo, PodPhase
 from gpuplane.report.accounting import PriceTable, load_prices, split_by_month, write_bill
+from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError, Series
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop
 from gpuplane.sim.platform import SCENARIO, PlatformSettings
+from test_node_exporter import Prometheus
 
 CATALOG = default_catalog()
 
@@ -79,6 +86,9 @@ class Shares:
 
     def busy_share(self, pod: PodInfo, now: float) -> float | None:
         return self.values.get(pod.name)
+
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        return {pod.name: self.values.get(pod.name) for pod in pods}
 
 
 class World:
@@ -281,6 +291,140 @@ def test_dcgm_reader(metric: str, value: float | None, assignment: Assignment, e
     got = DcgmReader(source, metric).busy_share(pod, 0.0)
     assert got == (pytest.approx(expected) if expected is not None else None)
     assert source.queries == [f'avg({metric}{{namespace="ml",pod="train-7"}})']
+
+
+class Card:
+    """One dcgm series: a card's figure, labelled with the pod that holds it (none: the card is free)."""
+
+    def __init__(self, value: float, pod: str | None = None) -> None:
+        self.value = value
+        ns, _, name = (pod or "").rpartition("/")
+        self.labels = {"gpu": "0"} | ({"namespace": ns or "default", "pod": name} if pod else {})
+
+
+class Cards:
+    """A Prometheus over a table of dcgm series that answers both reads as PromQL would: a pod's own query
+    averages its cards (no series: no data; NaN or ±Inf: not a finite number); the vector query groups every
+    labelled card by (namespace, pod)."""
+
+    def __init__(self, series: list[Card], *, fail: str | None = None) -> None:
+        self.series = series
+        self.fail = fail
+        self.queries: list[str] = []
+
+    def _groups(self) -> dict[tuple[str, str], list[float]]:
+        groups: dict[tuple[str, str], list[float]] = {}
+        for card in self.series:
+            if "pod" in card.labels:
+                groups.setdefault((card.labels["namespace"], card.labels["pod"]), []).append(card.value)
+        return groups
+
+    def query(self, query: str, *, timeout_s: float | None = None) -> float:
+        self.queries.append(query)
+        for (ns, pod), values in self._groups().items():
+            if f'namespace="{ns}",pod="{pod}"' in query:
+                mean = sum(values) / len(values)
+                if not math.isfinite(mean):
+                    raise GpuplaneError(f"query {query!r} returned {mean}, not a finite number")
+                return mean
+        raise GpuplaneError(f"query {query!r}: no data")
+
+    def vector(self, query: str, *, timeout_s: float | None = None) -> list[Series]:
+        self.queries.append(query)
+        if self.fail is not None:
+            raise GpuplaneError(f"query {query!r} failed: HTTP 422: {self.fail}")
+        return [Series({"namespace": ns, "pod": pod}, sum(values) / len(values), 0.0)
+                for (ns, pod), values in self._groups().items()]
+
+
+# The pods of the vector tests and what dcgm says of their cards (percent).
+VECTOR_PODS = [
+    PodInfo(job("ml/train-7", 2), PodPhase.RUNNING, cards("a", 0, 1)),  # (45 + 55.5) / 2 = 50.25 % → 0.5025
+    PodInfo(frac("dev/box-1", 250), PodPhase.RUNNING, share("t", 0, 250)),  # 20 % of a card, 250 of 1000: 0.8
+    PodInfo(job("web/serve"), PodPhase.RUNNING, cards("a", 2)),  # 33.3 % → 0.333
+    PodInfo(job("ml/serve"), PodPhase.RUNNING, cards("a", 3)),  # the same name in another namespace: 70 % → 0.7
+    PodInfo(job("ml/gone"), PodPhase.RUNNING, cards("a", 4)),  # no series: no reading
+    PodInfo(job("serve"), PodPhase.RUNNING, cards("a", 5)),  # a bare name is in default: no series there
+    PodInfo(job("ml/nan"), PodPhase.RUNNING, cards("a", 6)),  # NaN: no reading
+    PodInfo(job("ml/hot"), PodPhase.RUNNING, cards("a", 7)),  # +Inf: no reading
+]
+VECTOR_CARDS = [Card(45.0, "ml/train-7"), Card(55.5, "ml/train-7"), Card(20.0, "dev/box-1"), Card(33.3, "web/serve"),
+                Card(70.0, "ml/serve"), Card(90.0), Card(math.nan, "ml/nan"), Card(math.inf, "ml/hot")]
+VECTOR_SHARES = {"ml/train-7": 0.5025, "dev/box-1": 0.8, "web/serve": 0.333, "ml/serve": 0.7, "ml/gone": None,
+                 "serve": None, "ml/nan": None, "ml/hot": None}
+
+
+def test_a_sample_reads_every_pod_with_one_vector_query_and_agrees_with_the_per_pod_reads() -> None:
+    source = Cards(VECTOR_CARDS)
+    reader = DcgmReader(source)
+    together = reader.busy_shares(VECTOR_PODS, 0.0)
+    assert source.queries == ['avg by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{pod!=""})']
+    one_by_one = {pod.name: reader.busy_share(pod, 0.0) for pod in VECTOR_PODS}
+    assert len(source.queries) == 1 + len(VECTOR_PODS)
+    assert together == one_by_one
+    assert together == {k: pytest.approx(v) if v is not None else None for k, v in VECTOR_SHARES.items()}
+
+
+def test_an_error_answer_to_the_vector_query_leaves_every_pod_unread_and_names_the_query(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reader = DcgmReader(Cards(VECTOR_CARDS, fail="execution: query processing would load too many samples"))
+    with caplog.at_level("WARNING", "gpuplane.controllers.accounting"):
+        assert reader.busy_shares(VECTOR_PODS, 0.0) == {pod.name: None for pod in VECTOR_PODS}
+    assert """'avg by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{pod!=""})' failed: HTTP 422: execution""" in caplog.text
+    assert DcgmReader(Cards([])).busy_shares([], 0.0) == {}  # no pod, no query
+
+
+def test_the_ledger_samples_with_one_query_for_every_pod() -> None:
+    loop = EventLoop()
+    cluster = SimCluster(CATALOG, nodes(), loop=loop)
+    source = Cards([Card(50.0, "ml/a"), Card(10.0, "ml/b"), Card(80.0, "ml/c")])
+    ledger = AccountingLedger(cluster, loop, DcgmReader(source), sample_s=60.0)
+    for index, name in enumerate(("ml/a", "ml/b", "ml/c")):
+        assert cluster.create_pod(job(name)).ok
+        assert cluster.bind(name, cards("a", index)).ok
+    assert len(source.queries) == 3  # one per bind, each its own pod's query
+    loop.run(until=185.0)  # samples at 60, 120 and 180 s: one vector query each
+    assert source.queries[3:] == ['avg by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{pod!=""})'] * 3
+    source.series[1] = Card(30.0, "ml/b")
+    loop.run(until=245.0)  # the sample at 240 s books ml/b's first reading and goes on with the new one
+    ledger.close(300.0)
+    # ml/b: 0..240 s at 0.1, 240..300 s at 0.3 = 24 + 18 = 42 used of 300; the others one booking each
+    assert [(b.pod, b.start, b.end, b.busy_share) for b in ledger.bookings] == [
+        ("ml/b", 0.0, 240.0, 0.1), ("ml/a", 0.0, 300.0, 0.5), ("ml/b", 240.0, 300.0, 0.3), ("ml/c", 0.0, 300.0, 0.8)]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs the prometheus binary (Debian: prometheus)")
+@pytest.mark.parametrize("metric", ["DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"])
+def test_the_vector_read_agrees_with_the_per_pod_reads_on_a_real_prometheus(tmp_path: Path, metric: str) -> None:
+    """gpuplane's node exporter (dcgm-exporter's series, labelled with the pods `StaticPodMapper` gives it) for the
+    cards of VECTOR_CARDS that a real exporter can report, scraped by the real Prometheus."""
+    backend = FakeGpuBackend(cards=6)
+    holders: dict[int, PodRef] = {}
+    for index, card in enumerate(VECTOR_CARDS[:6]):
+        backend.set_process(index, 1000 + index, GIB, card.value)
+        if "pod" in card.labels:
+            holders[index] = PodRef(pod=card.labels["pod"], namespace=card.labels["namespace"], container="main")
+    exporter = Exporter(backend, hostname="a", pods=StaticPodMapper(holders))
+    server, _ = exporter.start(0, "127.0.0.1")
+    prometheus = Prometheus(tmp_path, server.server_port)
+    try:
+        prometheus.wait_for(f"count({metric})", lambda r: bool(r) and r[0]["value"][1] == "6")
+        client = PrometheusClient(f"http://127.0.0.1:{prometheus.port}")
+        reader = DcgmReader(client, metric)
+        pods = VECTOR_PODS[:6]
+        together = reader.busy_shares(pods, 0.0)
+        assert together == {pod.name: reader.busy_share(pod, 0.0) for pod in pods}  # exactly
+        assert together == {pod.name: pytest.approx(VECTOR_SHARES[pod.name]) if VECTOR_SHARES[pod.name] is not None
+                            else None for pod in pods}
+        # Prometheus' own errors name the query: invalid PromQL (HTTP 400), and many-to-many matching (HTTP 422)
+        with pytest.raises(PrometheusError, match=r"query 'avg by \(pod\) \(x' failed: HTTP 400: bad_data: "):
+            client.vector("avg by (pod) (x")
+        clash = f"{metric} + on(Hostname) {metric}"
+        with pytest.raises(PrometheusError, match=rf"query '{re.escape(clash)}' failed: HTTP 422: execution: "):
+            client.vector(clash)
+    finally:
+        prometheus.close()
+        exporter.stop()
 
 
 # ------------------------------------------------------------------------------------------ the idle policy

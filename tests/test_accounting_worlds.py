@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from gpuplane.kube.localapi import FakeApiServer, node_json
 from gpuplane.kube.objects import node_info
 from gpuplane.model import Assignment, CardShare, Fraction, PodRequest, WholeCards, default_catalog
 from gpuplane.port import PodInfo, PodPhase, Timer
+from gpuplane.scaler.prometheus import Series
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop
 
@@ -72,6 +73,9 @@ class ScriptedReader:
             if at <= now:
                 share = value
         return share
+
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        return {pod.name: self.busy_share(pod, now) for pod in pods}
 
 
 class ManualClock:
@@ -214,6 +218,11 @@ class Dcgm:
     def query(self, query: str, *, timeout_s: float | None = None) -> float:
         self.queries.append(query)
         return self.percent
+
+    def vector(self, query: str, *, timeout_s: float | None = None) -> list[Series]:
+        """Every pod of the test on one card at `percent`."""
+        self.queries.append(query)
+        return [Series({"namespace": "team-a", "pod": "train-0"}, self.percent, 0.0)]
 
 
 def test_accounting_ledger_command_books_a_live_cluster(tmp_path: Path) -> None:

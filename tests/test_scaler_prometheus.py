@@ -8,9 +8,11 @@ with optional delays, and records every request it got.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from gpuplane.model import GpuplaneError
-from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError, Sample
+from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError, Sample, Series
 
 TS = 1795937014.555
 
@@ -224,6 +226,66 @@ def test_malformed_or_unsupported_answers_are_errors(stub: StubPrometheus, answe
     stub.set("q", answer)
     with pytest.raises(PrometheusError, match=message):
         PrometheusClient(stub.url).query("q")
+
+
+# -- vector reads -----------------------------------------------------------------------------------------
+
+
+def _element(value: str, **labels: str) -> dict[str, object]:
+    return {"metric": labels, "value": [TS, value]}
+
+
+VECTOR_CASES = [
+    # (case, the elements Prometheus sends, the series read)
+    ("one element per series, labels kept",
+     [_element("45", namespace="ml", pod="a"), _element("20.5", namespace="dev", pod="b")],
+     [Series({"namespace": "ml", "pod": "a"}, 45.0, TS), Series({"namespace": "dev", "pod": "b"}, 20.5, TS)]),
+    ("an empty vector is no series, not an error", [], []),
+    ("an element without labels (an aggregation without by)", [_element("7")], [Series({}, 7.0, TS)]),
+    ("an integer timestamp", [{"metric": {}, "value": [1795937014, "1"]}], [Series({}, 1.0, 1795937014.0)]),
+]
+
+
+@pytest.mark.parametrize(("case", "elements", "expected"), VECTOR_CASES, ids=[c for c, _, _ in VECTOR_CASES])
+def test_a_vector_read_is_every_element_with_its_labels(stub: StubPrometheus, case: str, elements: list[object],
+                                                        expected: list[Series]) -> None:
+    stub.set("avg by (pod) (x)", Answer(200, _ok("vector", elements)))
+    assert PrometheusClient(stub.url).vector("avg by (pod) (x)") == expected
+    [(path, params)] = stub.requests
+    assert path == "/api/v1/query" and params["query"] == ["avg by (pod) (x)"]
+
+
+@pytest.mark.parametrize(("value", "check"), [("NaN", math.isnan), ("+Inf", lambda v: v == math.inf),
+                                              ("-Inf", lambda v: v == -math.inf)])
+def test_a_vector_read_keeps_non_finite_values_as_prometheus_wrote_them(
+        stub: StubPrometheus, value: str, check: Callable[[float], bool]) -> None:
+    stub.set("q", Answer(200, _ok("vector", [_element(value, pod="a")])))
+    [series] = PrometheusClient(stub.url).vector("q")
+    assert series.labels == {"pod": "a"} and check(series.value)
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    (BAD_PROMQL, "query 'q' failed: HTTP 400: bad_data: invalid parameter"),
+    (error(422, "execution", "found duplicate series for the match group"),
+     "query 'q' failed: HTTP 422: execution: found duplicate series"),
+    (error(503, "timeout", "query timed out in expression evaluation"),
+     "query 'q' failed: HTTP 503: timeout: query timed out"),
+    (Answer(200, json.dumps({"status": "error", "errorType": "canceled", "error": "stopped"}).encode()),
+     "query 'q' failed: canceled: stopped"),
+    (scalar("1"), "query 'q' returned a scalar result, not an instant vector"),
+    (Answer(200, _ok("matrix", [{"metric": {}, "values": [[TS, "39"]]}])), "returned a matrix result"),
+    (Answer(200, _ok("vector", {"metric": {}})), "the vector result is not a list"),
+    (Answer(200, _ok("vector", ["x"])), "the vector element 'x' is not an object"),
+    (Answer(200, _ok("vector", [{"metric": {"pod": 1}, "value": [TS, "1"]}])), "malformed labels"),
+    (Answer(200, _ok("vector", [{"metric": {}, "histogram": [TS, {"count": "1", "sum": "2"}]}])),
+     "is a native histogram, not a float sample"),
+    (Answer(200, _ok("vector", [_element("forty")])), "'forty' is not a number"),
+    (Answer(200, _ok("vector", [{"metric": {}, "value": [TS, 41]}])), "malformed sample"),
+])
+def test_a_vector_read_error_names_the_query(stub: StubPrometheus, answer: Answer, message: str) -> None:
+    stub.set("q", answer)
+    with pytest.raises(PrometheusError, match=message):
+        PrometheusClient(stub.url).vector("q")
 
 
 def test_a_path_prefix_is_kept(stub: StubPrometheus) -> None:

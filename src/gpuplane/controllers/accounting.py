@@ -80,11 +80,29 @@ class UtilisationReader(Protocol):
 
     def busy_share(self, pod: PodInfo, now: float) -> float | None: ...
 
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        """`busy_share` of each of `pods` (by name), now: a sample's readings, in one read where the source allows
+        it (`DcgmReader`: one query for all pods)."""
+        ...
+
+
+class Labelled(Protocol):
+    """One element of an instant vector (`scaler.prometheus.Series`)."""
+
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+    @property
+    def value(self) -> float: ...
+
 
 class QuerySource(Protocol):
-    """One instant query, one number; raises a `GpuplaneError` for no data (`scaler.prometheus.PrometheusClient`)."""
+    """Instant queries (`scaler.prometheus.PrometheusClient`): one number, or raises a `GpuplaneError` for no data;
+    or every element of a vector (an empty list for none), raising a `GpuplaneError` for an error answer."""
 
     def query(self, query: str, *, timeout_s: float | None = None) -> float: ...
+
+    def vector(self, query: str, *, timeout_s: float | None = None) -> Sequence[Labelled]: ...
 
 
 DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
@@ -96,6 +114,12 @@ DCGM_SM_ACTIVE = "DCGM_FI_PROF_SM_ACTIVE"
 class DcgmReader:
     """Busy share from dcgm-exporter through Prometheus: `avg(METRIC{namespace=…,pod=…})` over the pod's cards,
     scaled to 0..1 (`DCGM_FI_DEV_GPU_UTIL` is a percent, `DCGM_FI_PROF_SM_ACTIVE` a ratio).
+
+    A sample (`busy_shares`) reads every pod with one query, `avg by (namespace, pod) (METRIC{pod!=""})`: the same
+    average over the same series per pod, grouped by the labels dcgm-exporter puts on a card a pod holds. A pod
+    without an element, or whose element is NaN or ±Inf, has no reading, as its own query would have none; an
+    error answer leaves every pod without a reading. A single pod (at its bind and at Terminating) is read with its
+    own query (`busy_share`).
 
     dcgm-exporter reports a card's figure for every pod on it: for a pod holding a fraction of a card the card's
     busy milli is given to that pod up to its share (share = card busy × cards × 1000 / gpu_milli, at most 1), an
@@ -111,17 +135,39 @@ class DcgmReader:
         name = pod.name.rpartition("/")[2]
         return f'avg({self.metric}{{namespace="{namespace_of(pod.name)}",pod="{name}"}})'
 
+    def vector_query(self) -> str:
+        return f'avg by (namespace, pod) ({self.metric}{{pod!=""}})'
+
     def busy_share(self, pod: PodInfo, now: float) -> float | None:
         try:
-            card_busy = self.source.query(self.query(pod), timeout_s=self.timeout_s) / self.scale
+            card_busy = self.source.query(self.query(pod), timeout_s=self.timeout_s)
         except GpuplaneError as exc:
             log.debug("no utilisation for %s: %s", pod.name, exc)
             return None
+        return self._share(pod, card_busy)
+
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        if not pods:
+            return {}
+        try:
+            series = self.source.vector(self.vector_query(), timeout_s=self.timeout_s)
+        except GpuplaneError as exc:
+            log.warning("no utilisation for %d pod(s): %s", len(pods), exc)
+            return {pod.name: None for pod in pods}
+        busy = {(s.labels.get("namespace", ""), s.labels.get("pod", "")): s.value for s in series}
+        shares: dict[str, float | None] = {}
+        for pod in pods:
+            card_busy = busy.get((namespace_of(pod.name), pod.name.rpartition("/")[2]))
+            shares[pod.name] = self._share(pod, card_busy) if card_busy is not None and math.isfinite(card_busy) \
+                else None
+        return shares
+
+    def _share(self, pod: PodInfo, card_busy: float) -> float | None:
         assignment = pod.assignment
         if assignment is None or not assignment.cards or assignment.gpu_milli <= 0:
             return None
         held = assignment.gpu_milli / (len(assignment.cards) * MILLI_PER_CARD)
-        return min(1.0, max(0.0, card_busy) / held)
+        return min(1.0, max(0.0, card_busy / self.scale) / held)
 
 
 class NoReader:
@@ -129,6 +175,9 @@ class NoReader:
 
     def busy_share(self, pod: PodInfo, now: float) -> float | None:
         return None
+
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        return {pod.name: None for pod in pods}
 
 
 # ---------------------------------------------------------------------------------------------- bookings
@@ -326,9 +375,11 @@ class AccountingLedger:
         """Read utilisation afresh (at `now`, default the clock's); an open interval whose reading changed is booked up
     to `now` and goes on with the new reading."""
         at = self.clock.now() if now is None else now
+        pods = {name: self._pod(name) for name in self._open}
+        present = [pod for pod in pods.values() if pod is not None]
+        shares = self.reader.busy_shares(present, at) if present else {}  # one read for every pod
         for name, entry in list(self._open.items()):
-            pod = self._pod(name)
-            share = self.reader.busy_share(pod, at) if pod is not None else entry.share
+            share = shares.get(name) if pods[name] is not None else entry.share
             if share != entry.share:  # an unchanged reading extends the open interval: one booking, not many
                 self._book(name, at)
                 entry.share = share

@@ -14,6 +14,12 @@ It reads results as KEDA's Prometheus scaler does (`GET /api/v1/query?query=…&
 
 More lenient than KEDA in one respect: a `scalar` result (`"result": [ts, "v"]`, e.g. from `scalar(...)`)
 is accepted, where KEDA's decoder expects a list of `{metric, value}` objects and fails.
+
+`vector` reads a whole instant vector, every element with its labels (`{"metric": {...}, "value": [ts, "v"]}`,
+the HTTP API's `resultType: "vector"`): one query for many series, such as one reading per pod. Its errors are the
+same (HTTP 400/422/503 and `status: "error"` with Prometheus' `errorType` and `error`, a malformed body); an empty
+vector is an answer (no series), not an error; values are read as the API writes them, `"NaN"`, `"+Inf"` and
+`"-Inf"` included, for the caller to judge; a scalar, a matrix, a string or a native-histogram element is an error.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import math
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlencode, urlsplit
@@ -43,6 +49,16 @@ class PrometheusError(GpuplaneError):
 class Sample:
     """One instant-query answer: the value and the evaluation timestamp Prometheus reported."""
 
+    value: float
+    timestamp: float
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One element of an instant vector: its labels, its value (NaN and ±Inf as Prometheus wrote them) and the
+    evaluation timestamp."""
+
+    labels: Mapping[str, str]
     value: float
     timestamp: float
 
@@ -77,12 +93,19 @@ class PrometheusClient:
 
     def sample(self, query: str, *, timeout_s: float | None = None) -> Sample:
         """Like `query`, with the evaluation timestamp."""
+        return _parse(query, *self._instant(query, timeout_s))
+
+    def vector(self, query: str, *, timeout_s: float | None = None) -> list[Series]:
+        """Every element of the instant vector `query` evaluates to now (none: an empty list); raises
+        `PrometheusError` naming the query for an error answer or any result but a vector."""
+        return _parse_vector(query, *self._instant(query, timeout_s))
+
+    def _instant(self, query: str, timeout_s: float | None) -> tuple[int, bytes]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         at = datetime.fromtimestamp(self._wall_clock(), UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         # Prometheus' own `timeout` bounds the evaluation; ours bounds the whole exchange.
         params = urlencode({"query": query, "time": at, "timeout": f"{timeout:.3f}"})
-        status, body = self._get(f"{self._prefix}/api/v1/query?{params}", timeout, query)
-        return _parse(query, status, body)
+        return self._get(f"{self._prefix}/api/v1/query?{params}", timeout, query)
 
     # -- HTTP -------------------------------------------------------------------------------------------
 
@@ -138,7 +161,8 @@ def _describe(exc: BaseException) -> str:
 # -- the answer -------------------------------------------------------------------------------------------
 
 
-def _parse(query: str, status: int, body: bytes) -> Sample:
+def _payload(query: str, status: int, body: bytes) -> tuple[object, object]:
+    """The `(resultType, result)` of a successful answer; an error answer or a malformed body raises."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -157,7 +181,11 @@ def _parse(query: str, status: int, body: bytes) -> Sample:
     payload = data.get("data")
     if not isinstance(payload, dict):
         raise PrometheusError(f"query {query!r}: the answer has no data object")
-    kind, result = payload.get("resultType"), payload.get("result")
+    return payload.get("resultType"), payload.get("result")
+
+
+def _parse(query: str, status: int, body: bytes) -> Sample:
+    kind, result = _payload(query, status, body)
     if kind == "scalar":
         return _pair(query, result)
     if kind != "vector":
@@ -176,15 +204,42 @@ def _parse(query: str, status: int, body: bytes) -> Sample:
     return _pair(query, element.get("value"))
 
 
-def _pair(query: str, pair: object) -> Sample:
-    """`[timestamp, "value"]` to a sample; non-finite values are errors."""
+def _parse_vector(query: str, status: int, body: bytes) -> list[Series]:
+    kind, result = _payload(query, status, body)
+    if kind != "vector":
+        raise PrometheusError(f"query {query!r} returned a {kind} result, not an instant vector")
+    if not isinstance(result, list):
+        raise PrometheusError(f"query {query!r}: the vector result is not a list")
+    series: list[Series] = []
+    for element in result:
+        if not isinstance(element, dict):
+            raise PrometheusError(f"query {query!r}: the vector element {element!r} is not an object")
+        labels = element.get("metric", {})
+        if not (isinstance(labels, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in labels.items())):
+            raise PrometheusError(f"query {query!r}: malformed labels {labels!r}, expected {{\"name\": \"value\"}}")
+        if "value" not in element and "histogram" in element:
+            raise PrometheusError(f"query {query!r}: the series {labels} is a native histogram, not a float sample")
+        timestamp, value = _timestamped(query, element.get("value"))
+        series.append(Series(labels, value, timestamp))
+    return series
+
+
+def _timestamped(query: str, pair: object) -> tuple[float, float]:
+    """`[timestamp, "value"]` to (timestamp, value), NaN and ±Inf included."""
     if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int | float)
             and not isinstance(pair[0], bool) and isinstance(pair[1], str)):
         raise PrometheusError(f"query {query!r}: malformed sample {pair!r}, expected [timestamp, \"value\"]")
     try:
-        value = float(pair[1])
+        return float(pair[0]), float(pair[1])
     except ValueError:
         raise PrometheusError(f"query {query!r}: sample value {pair[1]!r} is not a number") from None
+
+
+def _pair(query: str, pair: object) -> Sample:
+    """`[timestamp, "value"]` to a sample; non-finite values are errors."""
+    timestamp, value = _timestamped(query, pair)
     if not math.isfinite(value):
-        raise PrometheusError(f"query {query!r} returned {pair[1]}, not a finite number")
-    return Sample(value, float(pair[0]))
+        raise PrometheusError(f"query {query!r} returned {pair[1] if isinstance(pair, list) else value}, "
+                              "not a finite number")
+    return Sample(value, timestamp)

@@ -18,7 +18,7 @@ batch and near-line pods in `batch`, dev boxes in `dev` (the simulated pods carr
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +70,9 @@ class PlatformBusy:
                 running[pod.request.gang] += 1
         self._at, self._ready, self._gang_running = now, ready, running
         self._cordoned = {n.name for n in self.cluster.list_nodes() if not n.spec.schedulable}
+
+    def busy_shares(self, pods: Sequence[PodInfo], now: float) -> Mapping[str, float | None]:
+        return {pod.name: self.busy_share(pod, now) for pod in pods}
 
     def busy_share(self, pod: PodInfo, now: float) -> float | None:
         assignment = pod.assignment

@@ -149,8 +149,9 @@ class Board:
         if self.reader is not None:
             busy = 0.0
             measured = False
+            shares = self.reader.busy_shares(held, now)  # one read for every pod
             for pod in held:
-                share = self.reader.busy_share(pod, now)
+                share = shares.get(pod.name)
                 if share is not None and pod.assignment is not None:
                     busy += share * pod.assignment.gpu_milli
                     measured = True
