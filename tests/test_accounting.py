@@ -8,6 +8,7 @@ import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,8 @@ from typer.testing import CliRunner
 from gpuplane.cli import accounting_cmd
 from gpuplane.controllers.accounting import (
     IDLE_NOTICE,
+    IDLE_NOTICED,
+    IDLE_WITHDRAWN,
     AccountingLedger,
     Booking,
     DcgmReader,
@@ -43,7 +46,7 @@ from gpuplane.model import (
 )
 from gpuplane.node.exporter import Exporter, PodRef, StaticPodMapper
 from gpuplane.node.gpu import GIB, FakeGpuBackend
-from gpuplane.port import PodInfo, PodPhase
+from gpuplane.port import EventType, PodInfo, PodPhase, Status
 from gpuplane.report.accounting import PriceTable, load_prices, split_by_month, write_bill
 from gpuplane.scaler.prometheus import PrometheusClient, PrometheusError, Series
 from gpuplane.sim.cluster import SimCluster
@@ -92,9 +95,10 @@ class Shares:
 
 
 class World:
-    def __init__(self, reader: Shares | None = None, *, stop_s: float = 0.0, sample_s: float = 0.0) -> None:
+    def __init__(self, reader: Shares | None = None, *, stop_s: float = 0.0, sample_s: float = 0.0,
+                 cluster: type[SimCluster] = SimCluster) -> None:
         self.loop = EventLoop()
-        self.cluster = SimCluster(CATALOG, nodes(), loop=self.loop, stop_s=stop_s)
+        self.cluster = cluster(CATALOG, nodes(), loop=self.loop, stop_s=stop_s)
         self.reader = reader if reader is not None else Shares()
         self.ledger = AccountingLedger(self.cluster, self.loop, self.reader, sample_s=sample_s)
 
@@ -478,6 +482,10 @@ def test_idle_policy_announces_then_acts(case: str, cls: str, timeline: list[tup
     w.run(2400)
     assert [(a.time, a.kind) for a in policy.actions] == expected
     assert all(a.ok for a in policy.actions)
+    # an Event about the pod at each notice (Warning) and each withdrawal (Normal), none for the action itself
+    kinds = {"notice": (EventType.WARNING, IDLE_NOTICED), "withdraw": (EventType.NORMAL, IDLE_WITHDRAWN)}
+    assert [(e.time, e.kind, e.name, e.type, e.reason) for e in w.cluster.events] == [
+        (t, "Pod", name, *kinds[kind]) for t, kind in expected if kind in kinds]
     acted = [a for a in policy.actions if a.kind in ("evict", "scale-to-zero")]
     assert len(notices) == len(acted) and all(n is not None and n.at <= a.time for n, a in zip(notices, acted,
                                                                                                strict=True))
@@ -485,6 +493,48 @@ def test_idle_policy_announces_then_acts(case: str, cls: str, timeline: list[tup
         assert w.cluster.get_pod(name) is None
         if in_workload:
             assert w.cluster.workloads["box"].replicas == 0
+
+
+def idle_box(rule: IdleRule, timeline: list[tuple[float, float]], *,
+             cluster: type[SimCluster] = SimCluster) -> tuple[World, IdlePolicy]:
+    """A dev box `box` on one card whose busy share follows `timeline`, reconciled every 300 s until 2400 s."""
+    reader = Shares()
+    w = World(reader, cluster=cluster)
+    w.cluster.create_pod(job("box", cls="dev"))
+    w.at(0, lambda: w.cluster.bind("box", cards("a", 0)))
+    for t, value in timeline:
+        w.at(t, lambda value=value: reader.values.__setitem__("box", value))
+        w.at(t, w.ledger.sample)
+    policy = IdlePolicy(w.cluster, w.ledger, w.loop, [rule], evict_grace_s=0)
+    for t in range(300, 2400, 300):
+        w.at(t, policy.reconcile)
+    return w, policy
+
+
+def test_the_idle_events_say_what_is_due_when_and_why() -> None:
+    w, _ = idle_box(IdleRule("dev", 600, 0.05, 900), [(0, 0.02), (1000, 0.9)])
+    w.run(2400)
+    # idle at 600 (2 %): evict due at 600 + 900 = 1500 s; busy from 1000: at 1200 the window 600..1200 averages
+    # (400 × 0.02 + 200 × 0.9) / 600 = 188 / 600 = 31.3 %
+    assert [(e.type, e.reason, e.message) for e in w.cluster.events] == [
+        (EventType.WARNING, "IdleGpuNotice", "GPU efficiency 2.0% over the last 600 s is at most 5.0%: evict due at "
+         "1970-01-01T00:25:00Z unless the pod's cards turn busy"),
+        (EventType.NORMAL, "IdleGpuNoticeWithdrawn", "GPU efficiency 31.3% over the last 600 s is above 5.0%: the "
+         "idle notice is withdrawn (evict was due at 1970-01-01T00:25:00Z)")]
+
+
+class RefusingEvents(SimCluster):
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        return Status.error("events: forbidden")
+
+
+def test_an_event_not_recorded_is_logged_and_the_notice_stands(caplog: pytest.LogCaptureFixture) -> None:
+    w, policy = idle_box(IdleRule("dev", 600, 0.05, 900), [(0, 0.0)], cluster=RefusingEvents)
+    with caplog.at_level("WARNING", "gpuplane.controllers.accounting"):
+        w.run(2400)
+    assert [(a.time, a.kind, a.ok) for a in policy.actions] == [(600, "notice", True), (1500, "evict", True)]
+    assert "the IdleGpuNotice event of box: events: forbidden" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------ bills and files

@@ -10,15 +10,25 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 
 from gpuplane.cli.accounting_cmd import run_ledger
-from gpuplane.controllers.accounting import AccountingLedger, Booking, DcgmReader, LedgerFile, bill, read_ledger
+from gpuplane.controllers.accounting import (
+    AccountingLedger,
+    Booking,
+    DcgmReader,
+    IdlePolicy,
+    IdleRule,
+    LedgerFile,
+    bill,
+    read_ledger,
+)
 from gpuplane.kube.cluster import KubeCluster
 from gpuplane.kube.localapi import FakeApiServer, node_json
-from gpuplane.kube.objects import node_info
+from gpuplane.kube.objects import node_info, parse_time
 from gpuplane.model import Assignment, CardShare, Fraction, PodRequest, WholeCards, default_catalog
-from gpuplane.port import PodInfo, PodPhase, Timer
+from gpuplane.port import EventType, ObjectEvent, PodInfo, PodPhase, Timer
 from gpuplane.scaler.prometheus import Series
 from gpuplane.sim.cluster import SimCluster
 from gpuplane.sim.engine import EventLoop
@@ -65,11 +75,14 @@ SHARES: dict[str, tuple[tuple[float, float | None], ...]] = {
 
 
 class ScriptedReader:
-    """The busy share `SHARES` gives a pod at a time (the last entry at or before it)."""
+    """The busy share `shares` (by default `SHARES`) gives a pod at a time (the last entry at or before it)."""
+
+    def __init__(self, shares: Mapping[str, tuple[tuple[float, float | None], ...]] = SHARES) -> None:
+        self.shares = shares
 
     def busy_share(self, pod: PodInfo, now: float) -> float | None:
         share: float | None = None
-        for at, value in SHARES.get(pod.name, ()):
+        for at, value in self.shares.get(pod.name, ()):
             if at <= now:
                 share = value
         return share
@@ -206,6 +219,96 @@ def test_the_same_inputs_give_the_same_bill_in_both_worlds(kube: Kube) -> None:
         for key, figures in expected.items():
             assert got[key] == pytest.approx(figures, abs=1e-9), key
     assert totals(sim) == totals(live)  # exactly, not merely to the GPU-second
+
+
+# ------------------------------------------------------------------ the idle policy in both worlds
+BOX_0 = PodRequest("lab/box-0", cpu_milli=1000, memory_mib=1024, gpu=WholeCards(1), priority_class="dev")
+BOX_1 = PodRequest("lab/box-1", cpu_milli=1000, memory_mib=1024, gpu=Fraction(compute_milli=250, memory_mib=4096),
+                   priority_class="dev")
+IDLE_RULE = IdleRule("dev", window_s=600, max_efficiency=0.05, grace_s=900)
+IDLE_SHARES: dict[str, tuple[tuple[float, float | None], ...]] = {
+    BOX_0.name: ((0.0, 0.0), (1000.0, 0.9)),  # busy again within the grace
+    BOX_1.name: ((0.0, 0.01),),  # idle throughout
+}
+# (time, operation): both boxes bound at 0; the ledger samples at 1000 (box-0's reading changes) and before each
+# reconcile, every 300 s.
+IDLE_SCRIPT = [(0.0, "bind"), (1000.0, "sample")] + [(float(t), "reconcile") for t in range(300, 2400, 300)]
+IDLE_SCRIPT.sort()
+IDLE_END = 2400.0
+
+
+def run_idle_sim() -> tuple[list[tuple[float, str, str]], list[ObjectEvent]]:
+    loop = EventLoop()
+    cluster = SimCluster(CATALOG, [node_info(n, CATALOG).spec for n in NODES], loop=loop)
+    ledger = AccountingLedger(cluster, loop, ScriptedReader(IDLE_SHARES), sample_s=0.0)
+    policy = IdlePolicy(cluster, ledger, loop, [IDLE_RULE])
+    assert cluster.create_pod(BOX_0).ok and cluster.create_pod(BOX_1).ok
+
+    def do(op: str) -> None:
+        if op == "bind":
+            assert cluster.bind(BOX_0.name, whole("n1", 0)).ok and cluster.bind(BOX_1.name, quarter("n2", 0)).ok
+        elif op == "sample":
+            ledger.sample()
+        else:
+            ledger.sample()
+            policy.reconcile()
+
+    for t, op in IDLE_SCRIPT:
+        loop.call_at(t, lambda op=op: do(op))
+    loop.run(until=IDLE_END)
+    return [(a.time, a.pod, a.kind) for a in policy.actions], cluster.events
+
+
+def posted(server: FakeApiServer, namespace: str) -> list[ObjectEvent]:
+    """The core/v1 Events in `namespace`, read back as the port's `ObjectEvent`s."""
+    events: list[ObjectEvent] = []
+    for raw in server.api.list(f"/api/v1/namespaces/{namespace}/events")[0]:
+        assert kubernetes_validate.validate(raw, "1.34", strict=True) == "1.34"
+        involved, stamp = raw["involvedObject"], parse_time(raw["firstTimestamp"])
+        assert stamp is not None and raw["lastTimestamp"] == raw["firstTimestamp"] and raw["count"] == 1
+        events.append(ObjectEvent(involved["kind"], f"{involved['namespace']}/{involved['name']}",
+                                  EventType(raw["type"]), raw["reason"], raw["message"], stamp))
+    return events
+
+
+def run_idle_kube(k: Kube) -> tuple[list[tuple[float, str, str]], list[ObjectEvent]]:
+    k.settle(lambda: len(k.cluster.list_nodes()) == len(NODES))
+    ledger = AccountingLedger(k.cluster, k.clock, ScriptedReader(IDLE_SHARES), sample_s=0.0)
+    policy = IdlePolicy(k.cluster, ledger, k.clock, [IDLE_RULE])
+    for request in (BOX_0, BOX_1):
+        assert k.cluster.create_pod(request).ok
+        k.settle(lambda name=request.name: phase(k.cluster, name) is PodPhase.PENDING)
+    for t, op in IDLE_SCRIPT:
+        k.clock.t = t
+        if op == "bind":
+            assert k.cluster.bind(BOX_0.name, whole("n1", 0)).ok and k.cluster.bind(BOX_1.name, quarter("n2", 0)).ok
+            k.settle(lambda: phase(k.cluster, BOX_0.name) is phase(k.cluster, BOX_1.name) is PodPhase.RUNNING)
+        elif op == "sample":
+            ledger.sample()
+        else:
+            ledger.sample()
+            for action in policy.reconcile():
+                if action.kind == "evict":
+                    k.settle(lambda name=action.pod: phase(k.cluster, name) is PodPhase.TERMINATING)
+    return [(a.time, a.pod, a.kind) for a in policy.actions], posted(k.server, "lab")
+
+
+def test_the_idle_policy_acts_and_posts_the_same_events_in_both_worlds(kube: Kube) -> None:
+    (sim_actions, sim_events), (live_actions, live_events) = run_idle_sim(), run_idle_kube(kube)
+    # box-1 at 1 %: noticed at 600, evicted when due at 600 + 900 = 1500. box-0 at 0 % until 1000, then 90 %:
+    #   noticed at 600; at 1200 the window 600..1200 averages (400 × 0 + 200 × 0.9) / 600 = 30 %: withdrawn.
+    assert sorted(sim_actions) == sorted(live_actions) == [
+        (600.0, BOX_0.name, "notice"), (600.0, BOX_1.name, "notice"), (1200.0, BOX_0.name, "withdraw"),
+        (1500.0, BOX_1.name, "evict")]
+    key = lambda e: (e.time, e.name, e.reason)  # noqa: E731
+    assert sorted(sim_events, key=key) == sorted(live_events, key=key)  # kind, pod, type, reason, message, time
+    assert [(e.time, e.name, e.type, e.reason) for e in sorted(live_events, key=key)] == [
+        (600.0, BOX_0.name, EventType.WARNING, "IdleGpuNotice"),
+        (600.0, BOX_1.name, EventType.WARNING, "IdleGpuNotice"),
+        (1200.0, BOX_0.name, EventType.NORMAL, "IdleGpuNoticeWithdrawn")]
+    assert sorted(live_events, key=key)[1].message == (
+        "GPU efficiency 1.0% over the last 600 s is at most 5.0%: evict due at 1970-01-01T00:25:00Z unless the pod's "
+        "cards turn busy")
 
 
 class Dcgm:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import kubernetes_validate
 import pytest
 
 from gpuplane.kube.cluster import KubeCluster, pod_manifest
@@ -33,7 +34,7 @@ from gpuplane.model import (
     default_catalog,
     make_request,
 )
-from gpuplane.port import ClusterEvent, ClusterPort, Code, EventKind, PodPhase
+from gpuplane.port import ClusterEvent, ClusterPort, Code, EventKind, EventType, PodPhase
 
 CATALOG = default_catalog()
 GPU = {"gpuplane.io/gpu": "1"}
@@ -282,6 +283,45 @@ def test_patch_pod_annotations(world: World) -> None:
     assert dict(world.cluster.get_pod("default/p").annotations) == {"b": "2", "c": "3"}  # type: ignore[union-attr]
     assert world.server.get("pods", "default/p")["metadata"]["annotations"] == {"b": "2", "c": "3"}  # type: ignore[index]
     assert world.cluster.patch_pod("default/ghost", annotations={"a": "1"}).message == "pod default/ghost not found"
+
+
+def test_record_event_posts_a_core_v1_event_as_client_gos_recorder_does(world: World) -> None:
+    world.server.add_pod(pod_json("p", namespace="ml", limits=GPU))
+    assert world.settle(lambda: world.cluster.get_pod("ml/p") is not None)
+    pod = world.server.get("pods", "ml/p")
+    assert pod is not None
+    world.cluster.event_instance = "operator-7f9c"
+    assert world.cluster.record_event("Pod", "ml/p", type_=EventType.WARNING, reason="IdleGpuNotice",
+                                      message="evict due").ok
+    assert world.cluster.record_event("Node", "n1", type_=EventType.NORMAL, reason="Checked", message="ok").ok
+    assert world.cluster.record_event("Pod", "ml/p", type_=EventType.NORMAL, reason="Again", message="x" * 2000).ok
+    [first, again] = world.server.api.list("/api/v1/namespaces/ml/events")[0]
+    [node_event] = world.server.api.list("/api/v1/namespaces/default/events")[0]
+    for event in (first, again, node_event):  # the upstream schema, strictly (no field it lacks)
+        assert kubernetes_validate.validate(event, "1.34", strict=True) == "1.34"
+    # the clock reads 1000 s: 1000 × 10⁹ ns = 0xe8d4a51000; the next Event of that nanosecond is one later
+    assert first["metadata"]["name"] == "p.e8d4a51000" and again["metadata"]["name"] == "p.e8d4a51002"
+    assert node_event["metadata"]["name"] == "n1.e8d4a51001"
+    assert first["involvedObject"] == {"kind": "Pod", "apiVersion": "v1", "namespace": "ml", "name": "p",
+                                       "uid": pod["metadata"]["uid"],
+                                       "resourceVersion": pod["metadata"]["resourceVersion"]}
+    assert {k: first[k] for k in ("reason", "message", "type", "source", "reportingComponent", "reportingInstance",
+                                  "firstTimestamp", "lastTimestamp", "count")} == {
+        "reason": "IdleGpuNotice", "message": "evict due", "type": "Warning",
+        "source": {"component": "gpuplane", "host": "operator-7f9c"}, "reportingComponent": "gpuplane",
+        "reportingInstance": "operator-7f9c", "firstTimestamp": "1970-01-01T00:16:40Z",
+        "lastTimestamp": "1970-01-01T00:16:40Z", "count": 1}
+    assert node_event["involvedObject"]["kind"] == "Node" and node_event["involvedObject"]["name"] == "n1"
+    assert node_event["type"] == "Normal"
+    assert len(again["message"]) == 1024 and again["message"].endswith("…")  # cut at the note limit
+
+
+def test_an_event_the_api_refuses_is_an_error_naming_it(world: World) -> None:
+    world.server.fail_next("POST", r"/events$", 403, "Forbidden")
+    status = world.cluster.record_event("Pod", "ml/p", type_=EventType.WARNING, reason="IdleGpuNotice",
+                                        message="m")
+    assert not status.ok and status.message.startswith("recording the IdleGpuNotice event of Pod ml/p failed: ")
+    assert "403" in status.message
 
 
 def test_patch_node(world: World) -> None:

@@ -18,8 +18,9 @@ every world (tests/test_accounting_worlds.py).
 
 The idle policy (`IdlePolicy`) names pods whose cards sit allocated but idle over a window and acts on them, each
 action announced before it happens: a notice (the `gpuplane.io/idle-notice` annotation, with the action, its time
-and the efficiency that triggered it), then after the rule's grace, if the pod is still idle, the action: scale its
-workload to zero, or evict it. A pod that turns busy again within the grace has its notice withdrawn.
+and the efficiency that triggered it, and a Warning Event `IdleGpuNotice` about the pod saying the same), then after
+the rule's grace, if the pod is still idle, the action: scale its workload to zero, or evict it. A pod that turns
+busy again within the grace has its notice withdrawn (a Normal Event `IdleGpuNoticeWithdrawn`).
 """
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, Protocol, TextIO
 
 from gpuplane.model import MILLI_PER_CARD, GpuplaneError
-from gpuplane.port import Clock, ClusterEvent, ClusterPort, EventKind, PodInfo, PodPhase, Timer
+from gpuplane.port import Clock, ClusterEvent, ClusterPort, EventKind, EventType, PodInfo, PodPhase, Timer
 
 log = logging.getLogger(__name__)
 
 TEAM_LABEL = "gpuplane.io/team"
 IDLE_NOTICE = "gpuplane.io/idle-notice"
 IDLE_REASON = "idle"
+IDLE_NOTICED = "IdleGpuNotice"
+"""The Warning Event's reason at a notice (beside the annotation)."""
+IDLE_WITHDRAWN = "IdleGpuNoticeWithdrawn"
+"""The Normal Event's reason when a notice is withdrawn (the pod turned busy within the grace)."""
 DEFAULT_NAMESPACE = "default"
 
 
@@ -533,12 +539,22 @@ class IdlePolicy:
             if not idle:
                 if raw is not None:
                     status = self.cluster.patch_pod(pod.name, annotations={IDLE_NOTICE: None})
+                    if status.ok:
+                        self._post(pod.name, EventType.NORMAL, IDLE_WITHDRAWN,
+                                   f"GPU efficiency {efficiency:.1%} over the last {rule.window_s:g} s is above "
+                                   f"{rule.max_efficiency:.1%}: the idle notice is withdrawn"
+                                   + (f" ({notice.action} was due at {_when(notice.at)})" if notice else ""))
                     done.append(IdleAction(now, pod.name, "withdraw", efficiency, status.ok, status.message))
                 continue
             action: Action = rule.action if pod.request.workload is not None else "evict"
             if notice is None:
                 announced = Notice(action, now + rule.grace_s, efficiency, now)
                 status = self.cluster.patch_pod(pod.name, annotations={IDLE_NOTICE: announced.encode()})
+                if status.ok:
+                    self._post(pod.name, EventType.WARNING, IDLE_NOTICED,
+                               f"GPU efficiency {efficiency:.1%} over the last {rule.window_s:g} s is at most "
+                               f"{rule.max_efficiency:.1%}: {action} due at {_when(announced.at)} unless the "
+                               "pod's cards turn busy")
                 done.append(IdleAction(now, pod.name, "notice", efficiency, status.ok,
                                        f"{action} at {announced.at:.0f}" if status.ok else status.message))
                 continue
@@ -553,6 +569,17 @@ class IdlePolicy:
             done.append(IdleAction(now, pod.name, notice.action, efficiency, status.ok, status.message))
         self.actions.extend(done)
         return done
+
+    def _post(self, pod: str, type_: EventType, reason: str, message: str) -> None:
+        """The notice's Event beside its annotation; one not recorded is logged, the annotation is the record."""
+        status = self.cluster.record_event("Pod", pod, type_=type_, reason=reason, message=message)
+        if not status.ok:
+            log.warning("the %s event of %s: %s", reason, pod, status.message)
+
+
+def _when(t: float) -> str:
+    """A due time as people read it: the clock's seconds as UTC ISO 8601 (a simulation's start at 0 reads 1970)."""
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 # ---------------------------------------------------------------------------------------------- bills

@@ -21,6 +21,8 @@ writes are API calls. The port's semantics follow the simulated cluster, with th
 - `evict` posts a policy/v1 Eviction. 429 (a PodDisruptionBudget forbids it now) is retried with back-off;
   when the retries run out the answer is `Status(Code.PENDING, ("blocked: …",))`: not done, not failed, try
   again later. 404 is success (already gone).
+- `record_event` posts a core/v1 Event about the pod or node, shaped as client-go's legacy recorder does
+  (`gpuplane.kube.events`), from `event_component` on `event_instance` (default: the host name).
 - `scale(workload)`: `namespace/Kind/name` with Kind Deployment, ReplicaSet or StatefulSet, or
   `namespace/name` for a Deployment. A ReplicaSet controlled by a Deployment scales the Deployment (the
   Deployment controller would undo a change to its ReplicaSet). Pod removal order is the controllers' business.
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, JsonObject, KubeApi, node_path, pod_path
+from gpuplane.kube.events import core_event, events_path
 from gpuplane.kube.informer import DELETED, Informer
 from gpuplane.kube.network import RdmaNetworks, rdma_annotations
 from gpuplane.kube.objects import (
@@ -80,6 +84,7 @@ from gpuplane.port import (
     Clock,
     ClusterEvent,
     EventKind,
+    EventType,
     Handler,
     NodeInfo,
     PodInfo,
@@ -106,15 +111,22 @@ class KubeCluster:
     `api`: how to reach the API server. `clock`: event times and `assigned-at` stamps. `sleep`: the eviction
     back-off (default: real time, cut short by `close()`); the informers wait on real time. `namespace`: watch
     one namespace's pods only (None: all). `scheduler_name`: the `spec.schedulerName` of the pods `create_pod`
-    makes. `start=False` leaves the informers stopped until `start()`.
+    makes. `event_component`/`event_instance`: who `record_event`'s Events say reported them (`source`,
+    `reportingComponent`, `reportingInstance`; the instance defaults to the host name). `start=False` leaves the
+    informers stopped until `start()`.
     """
 
     def __init__(self, api: KubeApi, catalog: Catalog, *, clock: Clock | None = None,
                  sleep: Callable[[float], None] | None = None, namespace: str | None = None,
                  pod_label_selector: str | None = None, dispatch: Literal["thread", "manual"] = "thread",
                  eviction_attempts: int = 4, eviction_backoff_s: float = 1.0, watch_timeout_s: int = 300,
-                 sync_timeout_s: float = 30.0, scheduler_name: str = SCHEDULER_NAME, start: bool = True) -> None:
+                 sync_timeout_s: float = 30.0, scheduler_name: str = SCHEDULER_NAME, event_component: str = "gpuplane",
+                 event_instance: str | None = None, start: bool = True) -> None:
         self.api = api
+        self.event_component = event_component
+        self.event_instance = event_instance if event_instance is not None else socket.gethostname()
+        self._event_nanos = 0
+        self._event_lock = threading.Lock()
         self.scheduler_name = scheduler_name
         """`spec.schedulerName` of the pods `create_pod` makes (the scheduler that is to place them)."""
         self.catalog = catalog
@@ -566,6 +578,30 @@ class KubeCluster:
             if exc.status == 422:
                 return Status.error(f"invalid: {exc.message}")
             return Status.error(f"patching {pod} failed: {exc}")
+        return Status.success()
+
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        if kind == "Pod":
+            namespace, short = split_key(name)
+            raw = self.pods.get(f"{namespace}/{short}")
+            involved: JsonObject = {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": short}
+        else:
+            raw = self.nodes.get(name)
+            involved = {"kind": "Node", "apiVersion": "v1", "name": name}
+        meta = (raw or {}).get("metadata") or {}
+        involved |= {k: meta[k] for k in ("uid", "resourceVersion") if meta.get(k)}
+        now = self.clock.now()
+        with self._event_lock:  # two Events of one nanosecond get two names
+            self._event_nanos = max(int(now * 1e9), self._event_nanos + 1)
+            nanos = self._event_nanos
+        body = core_event(involved, reason=reason, message=message, warning=type_ is EventType.WARNING,
+                          component=self.event_component, instance=self.event_instance, host=self.event_instance,
+                          t=now, nanos=nanos)
+        try:
+            self.api.create(events_path(body["metadata"]["namespace"]), body)
+        except ApiError as exc:
+            return Status.error(f"recording the {reason} event of {kind} {name} failed: {exc}")
         return Status.success()
 
     def patch_node(self, node: str, *, labels: Mapping[str, str | None] | None = None,

@@ -27,7 +27,8 @@ from typing import Any, Literal
 from gpuplane.controllers.health import HealthEvent
 from gpuplane.controllers.recovery import Evidence
 from gpuplane.kube.api import JsonObject
-from gpuplane.kube.objects import format_time, parse_time
+from gpuplane.kube.events import core_event
+from gpuplane.kube.objects import parse_time
 
 REPORT_LABEL = "gpuplane.io/report"
 EVIDENCE_ANNOTATION = "gpuplane.io/evidence"
@@ -38,14 +39,8 @@ OBSERVED_ANNOTATION = "gpuplane.io/observed-at"
 COMPONENT = "gpuplane-node-agent"
 EVENTS_PATH = "/api/v1/events"
 """Every namespace's core/v1 Events (the operator's informer lists this with `REPORT_LABEL` selected)."""
-MESSAGE_LIMIT = 1024
-"""A message longer than this is cut (with an ellipsis): the evidence annotation keeps the whole line."""
 
 ReportKind = Literal["failure", "health"]
-
-
-def events_path(namespace: str) -> str:
-    return f"/api/v1/namespaces/{namespace}/events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,28 +90,18 @@ def report_event(report: NodeReport, host: str, *, seq: int = 0) -> JsonObject:
     apart."""
     if report.pod is not None:
         namespace, name = report.pod.split("/", 1)
-        involved = {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": name}
+        involved: JsonObject = {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": name}
     else:
-        namespace, name = "default", report.node
-        involved = {"kind": "Node", "apiVersion": "v1", "name": name, "uid": name}
-    stamp = format_time(report.t)
+        involved = {"kind": "Node", "apiVersion": "v1", "name": report.node, "uid": report.node}
     annotations = {EVIDENCE_ANNOTATION: json.dumps([_evidence_json(e) for e in report.evidence]),
                    OBSERVED_ANNOTATION: repr(float(report.t))}
     if report.verdict is not None:
         annotations[VERDICT_ANNOTATION] = json.dumps(dict(report.verdict), sort_keys=True)
     if report.health_event is not None:
         annotations[HEALTH_EVENT_ANNOTATION] = report.health_event.value
-    message = report.message if len(report.message) <= MESSAGE_LIMIT else report.message[:MESSAGE_LIMIT - 1] + "…"
-    return {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{name}.{int(report.t * 1e9) + seq:x}", "namespace": namespace,
-                     "labels": {REPORT_LABEL: report.kind}, "annotations": annotations},
-        "involvedObject": involved,
-        "reason": report.reason, "message": message, "type": "Warning" if report.warning else "Normal",
-        "source": {"component": COMPONENT, "host": report.node},
-        "reportingComponent": COMPONENT, "reportingInstance": host,
-        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-    }
+    return core_event(involved, reason=report.reason, message=report.message, warning=report.warning,
+                      component=COMPONENT, instance=host, host=report.node, t=report.t,
+                      nanos=int(report.t * 1e9) + seq, labels={REPORT_LABEL: report.kind}, annotations=annotations)
 
 
 def parse_report(obj: Mapping[str, Any]) -> NodeReport | None:

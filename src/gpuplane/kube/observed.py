@@ -20,7 +20,7 @@ import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 from gpuplane.kube.api import ApiError, KubeApi
 from gpuplane.model import Assignment, PodRequest, Taint
@@ -28,6 +28,7 @@ from gpuplane.port import (
     ClusterEvent,
     ClusterPort,
     EventKind,
+    EventType,
     Handler,
     NodeInfo,
     PodInfo,
@@ -89,6 +90,10 @@ class PortView:
                    unschedulable: bool | None = None, pool: str | None = None) -> Status:
         return self._port.patch_node(node, labels=labels, taints=taints, annotations=annotations,
                                      unschedulable=unschedulable, pool=pool)
+
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        return self._port.record_event(kind, name, type_=type_, reason=reason, message=message)
 
 
 class OwnPods(PortView):

@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gpuplane.controllers.accounting import AccountingLedger, LedgerFile, UtilisationReader
 from gpuplane.controllers.classifier import FailureClassifier
@@ -88,7 +88,7 @@ from gpuplane.kube.pools import PoolRule, conflict_message, plan_pools
 from gpuplane.kube.reconcilers import ColocationDistributor, RecoveryFeed, apply_pool_plan
 from gpuplane.model import Assignment, Catalog, GpuplaneError, PodRequest, Taint, default_catalog
 from gpuplane.model.failures import SignatureLibrary, load_signature_library
-from gpuplane.port import Clock, ClusterPort, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
+from gpuplane.port import Clock, ClusterPort, EventType, Handler, NodeInfo, PodInfo, Status, Unsubscribe, WallClock
 from gpuplane.port.metrics import PlaneMetrics
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,10 @@ class NamespacedWorkloads:
                    unschedulable: bool | None = None, pool: str | None = None) -> Status:
         return self.port.patch_node(node, labels=labels, taints=taints, annotations=annotations,
                                     unschedulable=unschedulable, pool=pool)
+
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        return self.port.record_event(kind, name, type_=type_, reason=reason, message=message)
 
 
 def tidal_controller(port: ClusterPort, namespace: str, spec: TidalPolicySpec, forecast: LoadForecast,

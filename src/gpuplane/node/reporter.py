@@ -45,7 +45,8 @@ from gpuplane.controllers.classifier import FailureClassifier, SignatureMatch
 from gpuplane.controllers.health import HealthEvent
 from gpuplane.controllers.recovery import Evidence
 from gpuplane.kube.api import ApiError, KubeApi
-from gpuplane.kube.node_reports import NodeReport, events_path, report_event
+from gpuplane.kube.events import events_path
+from gpuplane.kube.node_reports import NodeReport, report_event
 from gpuplane.model.failures import FailureAction
 from gpuplane.node.health_checks import CheckResult, HealthCheck, run_checks, tier
 

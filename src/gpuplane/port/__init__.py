@@ -6,8 +6,10 @@ from gpuplane.port.cluster import (
     ClusterEvent,
     ClusterPort,
     EventKind,
+    EventType,
     Handler,
     NodeInfo,
+    ObjectEvent,
     PodInfo,
     PodPhase,
     Unsubscribe,
@@ -15,6 +17,6 @@ from gpuplane.port.cluster import (
 from gpuplane.port.status import Code, Status, aggregate_reasons
 
 __all__ = [
-    "DELETION_COST", "Clock", "ClusterEvent", "ClusterPort", "Code", "EventKind", "Handler", "NodeInfo", "PodInfo",
-    "PodPhase", "Status", "Timer", "Unsubscribe", "WallClock", "aggregate_reasons",
+    "DELETION_COST", "Clock", "ClusterEvent", "ClusterPort", "Code", "EventKind", "EventType", "Handler", "NodeInfo",
+    "ObjectEvent", "PodInfo", "PodPhase", "Status", "Timer", "Unsubscribe", "WallClock", "aggregate_reasons",
 ]

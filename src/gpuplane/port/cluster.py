@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from gpuplane.model import Assignment, NodeSpec, PodRequest, Taint
 from gpuplane.port.status import Status
@@ -72,6 +72,29 @@ class ClusterEvent:
     node: NodeInfo | None = None
 
 
+class EventType(enum.Enum):
+    """An `ObjectEvent`'s type, as Kubernetes has it: Normal, or Warning (something to look at)."""
+
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEvent:
+    """An Event about a pod or a node, for the people who look at it (`record_event`; in Kubernetes a core/v1
+    `Event`, which `kubectl describe` lists), not for controllers to act on."""
+
+    kind: Literal["Pod", "Node"]
+    name: str
+    """The pod's key or the node's name."""
+    type: EventType
+    reason: str
+    """CamelCase, one word: what happened (`IdleGpuNotice`)."""
+    message: str
+    time: float
+    """When the world recorded it (its clock)."""
+
+
 Handler = Callable[[ClusterEvent], None]
 Unsubscribe = Callable[[], None]
 
@@ -125,4 +148,10 @@ class ClusterPort(Protocol):
                    taints: Sequence[Taint] | None = None, annotations: Mapping[str, str | None] | None = None,
                    unschedulable: bool | None = None, pool: str | None = None) -> Status:
         """Patch a node; a None value in `labels`/`annotations` removes that key."""
+        ...
+
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        """Record an Event about the pod or node `name`, stamped with the world's clock. As in Kubernetes, the
+        object need not exist; an error (code ERROR) means the Event was not recorded."""
         ...

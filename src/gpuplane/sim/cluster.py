@@ -14,14 +14,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from gpuplane.model import Assignment, Catalog, ClusterState, NodeSpec, NodeSpecError, PodRequest, PoolConfig, Taint
 from gpuplane.port import (
     DELETION_COST,
     ClusterEvent,
     EventKind,
+    EventType,
     Handler,
     NodeInfo,
+    ObjectEvent,
     PodInfo,
     PodPhase,
     Status,
@@ -81,6 +84,8 @@ class SimCluster:
         """Checks every `create_pod` passes through, in order (the API server's admission chain)."""
         self.failed: dict[str, str] = {}
         """Pods that ended FAILED, with their reason."""
+        self.events: list[ObjectEvent] = []
+        """Every Event `record_event` recorded, in order (Kubernetes keeps them as core/v1 Events)."""
 
     # ------------------------------------------------------------------ reads
     def list_nodes(self) -> Sequence[NodeInfo]:
@@ -267,6 +272,11 @@ class SimCluster:
             except ValueError:
                 return Status.error(f"invalid: {DELETION_COST} must be an int32, got {cost!r}")
         self._pods[pod] = replace(info, annotations=_merge(info.annotations, annotations))
+        return Status.success()
+
+    def record_event(self, kind: Literal["Pod", "Node"], name: str, *, type_: EventType, reason: str,
+                     message: str) -> Status:
+        self.events.append(ObjectEvent(kind, name, type_, reason, message, self.loop.now()))
         return Status.success()
 
     # ------------------------------------------------------------------ nodes
