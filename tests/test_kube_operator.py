@@ -19,7 +19,7 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from gpuplane.cli.operator_cmd import DEFAULT_LOAD_QUERY, PrometheusLoad, register
-from gpuplane.controllers.accounting import NoReader, read_ledger
+from gpuplane.controllers.accounting import IDLE_NOTICE, IDLE_NOTICED, IdleRule, NoReader, read_ledger
 from gpuplane.controllers.tidal import LOAN_ANNOTATION, LOAN_LABEL, RECLAIM_ANNOTATION, SUBSET_LABEL
 from gpuplane.kube.api import RestKubeApi
 from gpuplane.kube.cluster import EVICTION_REASON, KubeCluster
@@ -344,6 +344,66 @@ def test_only_the_leader_books_the_ledger_and_a_handover_books_nothing_twice(ser
     assert spans == [(23.0, 23.25), (23.4, 23.9)]
     assert all(x.gpu_milli == MILLI_PER_CARD and x.node == "tidal-1" for x in mine)
     assert sum(x.end - x.start for x in mine) == pytest.approx(0.75 * HOUR)
+
+def test_the_leader_runs_the_idle_policy_on_its_ledgers_readings(server: FakeApiServer, tmp_path: Path) -> None:
+    """A dev box holds card 0 of tidal-1 with no utilisation read (used 0 of what it holds). Rule: dev pods at most
+    5 % busy over 10 minutes are noticed, then evicted 10 minutes later. a leads from 23:00 and samples every
+    10 minutes: at 23:10 the box has held its card a whole window at 0 % (600 of 600 GPU-s idle): noticed, due at
+    23:20; at 23:20 it is evicted, with the policy's reason."""
+    card = CardShare(0, MILLI_PER_CARD, CATALOG.get("A100-40GB").memory_mib, 0, 0, whole=True)
+    box = pod_json("box", namespace="ml", limits={"gpuplane.io/gpu": "1"}, node="tidal-1", phase="Running",
+                   annotations=assignment_annotations(Assignment("tidal-1", (card,)), 0.0))
+    box["spec"]["priorityClassName"] = "dev"
+    server.add_pod(box)
+    settings = LedgerSettings(tmp_path / "ledger.jsonl", NoReader(), sample_s=600.0,
+                              idle_rules=(IdleRule("dev", window_s=600.0, grace_s=600.0),))
+    clock = VirtualClock(MIDNIGHT + 23.0 * HOUR)
+    op = operator(server, clock, "a", ledger=settings)
+    try:
+        op.tick()
+        assert op.idle is not None and op.idle.actions == []
+        clock.at(23.0 + 10 / 60)
+        op.tick()
+        assert [(a.kind, a.efficiency) for a in op.idle.actions] == [("notice", 0.0)]
+        pod = server.get("pods", "ml/box")
+        assert pod is not None and json.loads(pod["metadata"]["annotations"][IDLE_NOTICE])["action"] == "evict"
+        notices = [e for e in server.api.list("/api/v1/namespaces/ml/events")[0] if e.get("reason") == IDLE_NOTICED]
+        assert [(e["type"], e["involvedObject"]["name"]) for e in notices] == [("Warning", "box")]
+        assert not server.requests_to(r"/eviction$")
+        wait_for(lambda: IDLE_NOTICE in (op.cluster.pods.get("ml/box") or {}).get("metadata", {}).get(  # type: ignore[union-attr]
+            "annotations", {}), "the notice in the cache")
+        clock.at(23.0 + 20 / 60)
+        op.tick()
+        assert [a.kind for a in op.idle.actions] == ["notice", "evict"]
+        assert len(server.requests_to(r"/pods/box/eviction$", "POST")) == 1
+    finally:
+        op.shutdown()
+    assert op.idle is None  # not leading: no policy runs
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("dev:3600:0.05:1800:evict", IdleRule("dev", 3600.0, 0.05, 1800.0, "evict")),
+    ("low:600:0:0:scale-to-zero", IdleRule("low", 600.0, 0.0, 0.0, "scale-to-zero")),
+    ("dev:3600:0.05:1800", "expected CLASS:WINDOW_S:MAX_EFFICIENCY:GRACE_S:ACTION"),
+    ("dev:an hour:0.05:1800:evict", "WINDOW_S 'an hour' is not a number"),
+    ("dev:3600:0.05:1800:kill", "ACTION 'kill' is not evict or scale-to-zero"),
+    (":3600:0.05:1800:evict", "CLASS is empty"),
+    ("dev:3600:1.5:1800:evict", "0 <= max_efficiency < 1"),
+])
+def test_idle_rules_on_the_command_line(text: str, expected: IdleRule | str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuplane.cli.operator_cmd import parse_idle_rule
+
+    if isinstance(expected, IdleRule):
+        assert parse_idle_rule(text) == expected
+        return
+    from typer import Exit
+
+    with pytest.raises(Exit) as exited:
+        parse_idle_rule(text)
+    assert exited.value.exit_code == 2
+    assert expected in capsys.readouterr().err.replace("\n", "")
+
 
 # ------------------------------------------------------------------ invalid resources
 def test_an_invalid_resource_gets_a_condition_naming_the_field_and_is_not_applied(server: FakeApiServer) -> None:

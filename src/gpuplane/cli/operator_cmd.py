@@ -14,6 +14,7 @@ import typer
 from gpuplane.cli.common import fail, interrupt, log_to_stderr, on_sigterm, serve_health, serve_metrics
 
 if TYPE_CHECKING:
+    from gpuplane.controllers.accounting import IdleRule
     from gpuplane.kube.api import RestKubeApi
     from gpuplane.scaler.prometheus import PrometheusClient
 
@@ -49,6 +50,31 @@ def connect(kubeconfig: Path | None) -> RestKubeApi:
         return connect_api(str(kubeconfig) if kubeconfig else None)
     except KubeConfigError as exc:
         fail(f"no cluster to talk to: {exc}")
+
+
+def parse_idle_rule(text: str) -> IdleRule:
+    """`CLASS:WINDOW_S:MAX_EFFICIENCY:GRACE_S:ACTION` as an `IdleRule`; a bad one fails naming the part."""
+    from gpuplane.controllers.accounting import IdleRule
+
+    parts = text.split(":")
+    if len(parts) != 5:
+        fail(f"--idle-rule {text!r}: expected CLASS:WINDOW_S:MAX_EFFICIENCY:GRACE_S:ACTION, "
+             f"e.g. dev:3600:0.05:1800:evict")
+    name, window, efficiency, grace, action = parts
+    numbers: list[float] = []
+    for label, raw in (("WINDOW_S", window), ("MAX_EFFICIENCY", efficiency), ("GRACE_S", grace)):
+        try:
+            numbers.append(float(raw))
+        except ValueError:
+            fail(f"--idle-rule {text!r}: {label} {raw!r} is not a number")
+    if action not in ("evict", "scale-to-zero"):
+        fail(f"--idle-rule {text!r}: ACTION {action!r} is not evict or scale-to-zero")
+    if not name:
+        fail(f"--idle-rule {text!r}: CLASS is empty")
+    try:
+        return IdleRule(name, numbers[0], numbers[1], numbers[2], "evict" if action == "evict" else "scale-to-zero")
+    except ValueError as exc:
+        fail(f"--idle-rule {text!r}: {exc}")
 
 
 def register(app: typer.Typer) -> None:
@@ -144,6 +170,12 @@ def register(app: typer.Typer) -> None:
                                  ] = "DCGM_FI_DEV_GPU_UTIL",
         ledger_sample_s: Annotated[float, typer.Option(min=1.0, help="seconds between the ledger's readings")
                                    ] = 60.0,
+        idle_rule: Annotated[list[str] | None, typer.Option(
+            "--idle-rule", help="the idle policy on the ledger's readings (repeatable, needs --ledger): "
+                                "CLASS:WINDOW_S:MAX_EFFICIENCY:GRACE_S:ACTION, e.g. dev:3600:0.05:1800:evict; pods "
+                                "of the priority class whose cards were at most that busy over the window are "
+                                "noticed (annotation and Event), then evicted or scaled to zero after the grace "
+                                "(docs/accounting.md)")] = None,
         parity: Annotated[bool, typer.Option(
             "--parity", help="instead of running: the operator against the local API server through a compressed "
                              "day next to the simulator's controllers on the same inputs; print the decisions "
@@ -188,7 +220,10 @@ def register(app: typer.Typer) -> None:
                     reader = DcgmReader(PrometheusClient(prometheus, timeout_s=prometheus_timeout), ledger_metric)
                 except (PrometheusError, ValueError) as exc:
                     fail(f"--ledger-metric {ledger_metric}: {exc}")
-            ledger_settings = LedgerSettings(ledger, reader, ledger_sample_s)
+            ledger_settings = LedgerSettings(ledger, reader, ledger_sample_s,
+                                             tuple(parse_idle_rule(r) for r in idle_rule or ()))
+        elif idle_rule:
+            fail("--idle-rule: the idle policy reads the accounting ledger: pass --ledger too")
 
         holder = identity or os.environ.get("POD_NAME") or socket.gethostname()
         try:

@@ -58,7 +58,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from gpuplane.controllers.accounting import AccountingLedger, LedgerFile, UtilisationReader
+from gpuplane.controllers.accounting import AccountingLedger, IdlePolicy, IdleRule, LedgerFile, UtilisationReader
 from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.forecast import NO_FORECAST, LoadForecast, SeasonalForecaster
 from gpuplane.controllers.health import HealthPolicy, NodeHealthBook, NodeHealthController
@@ -218,6 +218,8 @@ class LedgerSettings:
     path: Path
     reader: UtilisationReader
     sample_s: float = 60.0
+    idle_rules: tuple[IdleRule, ...] = ()
+    """the idle policy's rules, judged on the ledger's readings after each sample (none: no policy runs)"""
 
     def __post_init__(self) -> None:
         if self.sample_s <= 0:
@@ -240,6 +242,8 @@ class Operator:
         self.api = api
         self.ledger_settings = ledger
         self.ledger: AccountingLedger | None = None
+        self.idle: IdlePolicy | None = None
+        """the idle policy on the ledger's readings, while leading (`LedgerSettings.idle_rules`)"""
         self._ledger_sink: LedgerFile | None = None
         self._ledger_sampled_at = 0.0
         self.metrics = metrics
@@ -316,6 +320,8 @@ class Operator:
                 and self.clock.now() - self._ledger_sampled_at >= settings.sample_s:
             self.ledger.sample()
             self._ledger_sampled_at = self.clock.now()
+            if self.idle is not None:
+                self.idle.reconcile()
         for key in set(self.tidal) - seen:
             del self.tidal[key]
         for key in set(self.forecasts) - seen:
@@ -361,12 +367,15 @@ class Operator:
             self.ledger = AccountingLedger(self.cluster, self.clock, self.ledger_settings.reader, sample_s=0.0,
                                            sink=self._ledger_sink, keep_bookings=False)
             self._ledger_sampled_at = self.clock.now()
+            if self.ledger_settings.idle_rules:
+                self.idle = IdlePolicy(self.cluster, self.ledger, self.clock, self.ledger_settings.idle_rules)
         for informer in self.informers.values():
             if not informer.wait_synced(30.0):
                 log.warning("%s: the first list has not answered yet", informer.name)
         return True
 
     def _stand_down(self) -> None:
+        self.idle = None
         if self.ledger is not None:  # every open interval booked up to now, before another replica books on
             self.ledger.close()
             self.ledger = None
