@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpuplane.controllers.colocation import (
@@ -140,26 +140,34 @@ def test_no_offline_demand_gets_nothing_and_cards_are_independent() -> None:
 
 
 # --------------------------------------------------------------------------- the passes against the aggregate
-# Tolerances (per 60 s window, the aggregate given the trace's own busy share): measured over 200 random
-# windows (seed 2026; u in [0.02, 0.9], S log-uniform in [3, 200] ms, slice in {0, 5, 50, 250} ms), the largest
-# differences were 0.020 (offline share), 0.015 (active share), 0.011 (exposed share; the aggregate below by
-# 0.0015 in the mean: Gamma(cv 0.5) busy periods are steadier than the alternating process assumes) and 21
-# suspensions (at most 15 + 6 % of the aggregate). The bounds below are about twice that.
+# The aggregate is an expectation and one 60 s window is a sample of it: each example compares the means over
+# WINDOWS independent windows (the aggregate given each window's own busy share). Tolerances: measured over 200
+# random windows (seed 2026; u in [0.02, 0.9], S log-uniform in [3, 200] ms, slice in {0, 5, 50, 250} ms), the
+# largest single-window differences were 0.020 (offline share), 0.015 (active share), 0.011 (exposed share; the
+# aggregate below by 0.0015 in the mean: Gamma(cv 0.5) busy periods are steadier than the alternating process
+# assumes) and 21 suspensions (at most 15 + 6 % of the aggregate). The corner those 200 rarely reach, u ≈ 0.02
+# with S ≈ 3 ms, is noisier and biased: over 30 windows the offline share's difference was −0.014 in the mean
+# with a standard deviation of 0.010–0.015 (one window of u = 0.023, S = 3.2 ms, slice 0.25 s differed by 0.043),
+# which the mean over 8 windows brings to about 0.014 ± 0.005. The bounds below are about twice the largest.
 slices = st.sampled_from([0.0, 0.005, 0.05, 0.25])
+WINDOWS = 8
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(u=st.floats(0.02, 0.9), log_request=st.floats(math.log(0.003), math.log(0.2)), slice_s=slices,
        seed=st.integers(0, 2**31))
+@example(u=0.0234375, log_request=-5.75, slice_s=0.25, seed=170)  # one window of it differed by 0.043
 def test_the_aggregate_agrees_with_the_passes(u: float, log_request: float, slice_s: float, seed: int) -> None:
     request_s = math.exp(log_request)
     policy = CardPolicy(GuardSettings(min_slice_s=slice_s))
-    passes = run_passes(busy_readings(u, request_s, 60.0, np.random.default_rng(seed)), policy)
-    share, active, exposed, suspensions = aggregate(policy, passes.busy_share, request_s, 60.0)
-    assert abs(share - passes.offline_share) <= 0.04
-    assert abs(active - passes.active_share) <= 0.04
-    assert abs(exposed - passes.exposed_share) <= 0.03
-    assert abs(suspensions - passes.suspensions) <= 0.25 * suspensions + 15
+    passes = [run_passes(busy_readings(u, request_s, 60.0, np.random.default_rng([seed, k])), policy)
+              for k in range(WINDOWS)]
+    share, active, exposed, suspensions = np.mean(
+        [aggregate(policy, p.busy_share, request_s, 60.0) for p in passes], axis=0)
+    assert abs(share - np.mean([p.offline_share for p in passes])) <= 0.04
+    assert abs(active - np.mean([p.active_share for p in passes])) <= 0.04
+    assert abs(exposed - np.mean([p.exposed_share for p in passes])) <= 0.03
+    assert abs(suspensions - np.mean([p.suspensions for p in passes])) <= 0.25 * suspensions + 15
 
 
 def test_over_many_windows_the_aggregate_is_unbiased() -> None:
