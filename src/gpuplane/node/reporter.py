@@ -353,25 +353,27 @@ def journal_end(directory: Path, *, journalctl: str = "journalctl") -> JournalPo
     """The cursor of the journal's last kernel entry now, to resume after (None: no kernel entry yet). Taken
     before a follower's thread starts, as `end_of` for a file. Raises `OSError` when journalctl cannot run,
     `ValueError` when it fails (its message)."""
-    done = subprocess.run([journalctl, "--directory", str(directory), "--lines=1", "--output=json", "--no-pager",
-                           KERNEL_MATCH], capture_output=True, timeout=60, check=False)
-    if done.returncode != 0:
-        raise ValueError(f"journalctl --directory {directory}: {_stderr(done.stderr)}")
-    for raw in done.stdout.splitlines():
+    for raw in _journal_lines(journalctl, directory, ["--lines=1"], timeout_s=60):
         cursor = (_journal_entry(raw) or {}).get("__CURSOR")
         if isinstance(cursor, str):
             return JournalPosition(PositionStore.key(directory), cursor)
     return None
 
 
+def _journal_lines(journalctl: str, directory: Path, options: list[str], *, timeout_s: float) -> list[bytes]:
+    """journalctl's JSON lines for the journal's kernel entries (not following); `ValueError` when it fails."""
+    done = subprocess.run([journalctl, "--directory", str(directory), "--output=json", "--no-pager", *options,
+                           KERNEL_MATCH], capture_output=True, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise ValueError(f"journalctl --directory {directory}: {_stderr(done.stderr)}")
+    return done.stdout.splitlines()
+
+
 def read_journal(directory: Path, *, journalctl: str = "journalctl") -> list[str]:
     """Every kernel entry's message in the journal in `directory`, oldest first (`--once`). Raises `OSError`
     when journalctl cannot run, `ValueError` when it fails (its message)."""
-    done = subprocess.run([journalctl, "--directory", str(directory), "--output=json", "--all", "--no-pager",
-                           KERNEL_MATCH], capture_output=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise ValueError(f"journalctl --directory {directory}: {_stderr(done.stderr)}")
-    messages = (_journal_message((_journal_entry(raw) or {}).get("MESSAGE")) for raw in done.stdout.splitlines())
+    messages = (_journal_message((_journal_entry(raw) or {}).get("MESSAGE"))
+                for raw in _journal_lines(journalctl, directory, ["--all"], timeout_s=600))
     return [m for m in messages if m is not None]
 
 
