@@ -290,12 +290,13 @@ REQUIRED: dict[str, set[Grant]] = {
     # through KubeCluster: node patches (loan labels, taints), pod-deletion-cost patches before a scale-down,
     # evictions, PATCH deployments/<d>/scale. Its Lease (gpuplane.kube.lease: GET, POST, PUT).
     # Recovery and node health: the node agents' Events (informer, a patch marking each handled), a failed
-    # gang's pods deleted for their owner to re-create.
+    # gang's pods deleted for their owner to re-create. The idle policy (--idle-rule) POSTs its notices as core/v1
+    # Events in the pod's namespace (KubeCluster.record_event).
     "gpuplane-operator": _POD_CACHE | {
         ("patch", "", "nodes", "cluster", None),
         ("patch", "", "pods", "cluster", None),
         ("delete", "", "pods", "cluster", None),
-        *{(v, "", "events", "cluster", None) for v in ("get", "list", "watch", "patch")},
+        *{(v, "", "events", "cluster", None) for v in ("get", "list", "watch", "patch", "create")},
         ("create", "", "pods/eviction", "cluster", None),
         ("get", "apps", "deployments/scale", "cluster", None),
         ("patch", "apps", "deployments/scale", "cluster", None),
