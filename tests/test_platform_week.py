@@ -337,3 +337,54 @@ def test_where_a_services_replicas_may_run(kind: str, lending: bool, overflow: b
     svc: Service = next(x for x in build_services(PlatformSettings(**TINY), np.random.default_rng(1)) if x.kind == kind)
     pools = service_pools(svc, lending=lending, overflow=overflow)
     assert {name.removeprefix(svc.name): set(allowed) for name, allowed in pools.items()} == expected
+
+
+def _dev_cards(world: World, seen: list[dict[tuple[str, int], list[tuple[str, int | None, int | None]]]]) -> None:
+    """Every 1800 s, each dev card's holders: (form, MIG profile, MIG start) per pod on it."""
+
+    def sample() -> None:
+        cards: dict[tuple[str, int], list[tuple[str, int | None, int | None]]] = defaultdict(list)
+        for binding in world.cluster.state.bindings.values():
+            if binding.request.priority_class != DEV:
+                continue
+            form = type(binding.request.gpu).__name__
+            for share in binding.assignment.cards:
+                cards[(binding.assignment.node, share.card)].append((form, share.mig_profile, share.mig_start))
+        seen.append(cards)
+        world.loop.call_later(1800.0, sample)
+
+    world.loop.call_later(1800.0, sample)
+
+
+@pytest.mark.parametrize(("vgpu", "mig_share", "expect_mig"), [
+    (True, 0.5, True),    # half the dev boxes ask for a 2g.12gb instance
+    (True, 0.0, False),   # none asks
+    (False, 0.5, False),  # vanilla's device plugin gives whole cards, MIG share or not
+])
+def test_dev_boxes_take_mig_instances_at_legal_starts_beside_vgpu_fractions(vgpu: bool, mig_share: float,
+                                                                            expect_mig: bool) -> None:
+    seen: list[dict[tuple[str, int], list[tuple[str, int | None, int | None]]]] = []
+    run = run_arm(PlatformSettings(**{**TINY, "vgpu": vgpu, "dev_mig_share": mig_share}),
+                  lambda w: _dev_cards(w, seen))
+    a30 = default_catalog().get("A30-24GB")
+    profile = a30.mig_profile("2g.12gb")
+    assert profile is not None
+    holders = [h for cards in seen for card in cards.values() for h in card]
+    migs = [h for h in holders if h[0] == "MigSlice"]
+    assert bool(migs) == expect_mig
+    assert (max(run.mig_pods) > 0) == expect_mig
+    for _, prof, start in migs:
+        assert prof == profile.profile_id and start in profile.starts  # 2g.12gb starts at memory slice 0 or 2
+    for cards in seen:
+        for holders_ in cards.values():
+            forms = {h[0] for h in holders_}
+            assert not ("MigSlice" in forms and len(forms) > 1)  # a card in MIG mode takes no vGPU fraction
+            starts = sorted(h[2] for h in holders_ if h[0] == "MigSlice")
+            assert len(starts) == len(set(starts)) <= 2  # two 2g.12gb instances at most, never overlapping
+    if not vgpu:
+        assert all(h[0] == "WholeCards" for h in holders)
+
+
+def test_a_dev_mig_profile_the_a30_lacks_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"dev_mig_profile: the A30 has no MIG profile '3g.40gb' \(one of 1g.6gb"):
+        PlatformSettings(dev_mig_profile="3g.40gb")

@@ -128,6 +128,7 @@ ROWS: tuple[Row, ...] = (
         delta_unit=PCT, goal="platform_worst_wait_p95_added_pct"),
     Row("vGPU density (dev pods per dev card in use)", _fig("vanilla_vgpu_density"), _fig("platform_vgpu_density"),
         ".2f", vivo="one card as three; a 4-card machine as 16 vGPUs"),
+    Row("dev boxes on a MIG instance (mean)", _fig("vanilla_dev_mig_pods"), _fig("platform_dev_mig_pods"), ",.1f"),
     Row("preemptions", _fig("vanilla_preemptions"), _fig("platform_preemptions"), ",.0f"),
     Row("evictions (preemption and reclaim)", _fig("vanilla_evictions"), _fig("platform_evictions"), ",.0f"),
     Row("batch and near-line work kept (GPU-h), and lost", None, _fig("platform_batch_useful_gpu_h"), ",.0f",

@@ -55,6 +55,11 @@ class PlatformSettings(WorldSettings):
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     dev_gpus_per_node: int = Field(default=4, ge=1, le=16)
     dev_memory_oversell: float = Field(default=2.0, ge=1.0, le=16.0, description="the dev pool's vGPU memory")
+    dev_mig_share: float = Field(default=0.25, ge=0, le=1, description=(
+        "share of dev boxes that ask for a MIG instance (`dev_mig_profile`: hardware-isolated compute and memory, "
+        "never oversold) instead of a vGPU fraction; the A30s enter MIG mode with their first instance and leave "
+        "it with their last. Without vgpu every dev box takes a whole card, as the device plugin gives"))
+    dev_mig_profile: str = Field(default="2g.12gb", description="the A30 MIG profile a MIG dev box asks for")
     # -- inference
     services_per_pool: int = Field(default=8, ge=1, description="services on A10, on T4 and on L40S each")
     peak_fill: float = Field(default=0.6, gt=0, le=1.2, description="share of a pool's GPUs its mean peak needs")
@@ -145,6 +150,10 @@ class PlatformSettings(WorldSettings):
         catalog = default_catalog()
         for model in self.price_per_gpu_h:
             catalog.get(model)
+        a30 = catalog.get("A30-24GB")
+        if a30.mig_profile(self.dev_mig_profile) is None:
+            names = ", ".join(p.name for p in a30.mig_profiles.values())
+            raise ValueError(f"dev_mig_profile: the A30 has no MIG profile {self.dev_mig_profile!r} (one of {names})")
         return self
 
     @property

@@ -83,6 +83,7 @@ class PlatformFigures(Figures):
     vanilla_shortage_minutes: float = figure(
         VANILLA, "minutes with an online replica pending for want of a card", "min")
     vanilla_vgpu_density: float = figure(VANILLA, "dev pods per physical dev card in use", "pods/card")
+    vanilla_dev_mig_pods: float = figure(VANILLA, "dev boxes on a MIG instance, mean over the samples", "pods")
     vanilla_preemptions: int = figure(VANILLA, "pods the scheduler preempted", "")
     vanilla_evictions: int = figure(VANILLA, "pods evicted (preemption and reclaim)", "")
     vanilla_failures: int = figure(VANILLA, "training-node faults", "")
@@ -129,6 +130,7 @@ class PlatformFigures(Figures):
     platform_shortage_minutes: float = figure(
         PLATFORM, "minutes with an online replica pending for want of a card", "min")
     platform_vgpu_density: float = figure(PLATFORM, "dev pods per physical dev card in use", "pods/card")
+    platform_dev_mig_pods: float = figure(PLATFORM, "dev boxes on a MIG instance, mean over the samples", "pods")
     platform_preemptions: int = figure(PLATFORM, "pods the scheduler preempted", "")
     platform_evictions: int = figure(PLATFORM, "pods evicted (preemption and reclaim)", "")
     platform_failures: int = figure(PLATFORM, "training-node faults", "")
@@ -218,6 +220,7 @@ def _arm_figures(prefix: str, r: ArmRun) -> dict[str, float | int]:
         f"{prefix}_dev_wait_p95_s": _p95(r.waits.get(DEV, [])),
         f"{prefix}_slo_minutes": r.slo_minutes, f"{prefix}_shortage_minutes": r.shortage_minutes,
         f"{prefix}_vgpu_density": float(np.mean(r.density)) if r.density else 0.0,
+        f"{prefix}_dev_mig_pods": float(np.mean(r.mig_pods)) if r.mig_pods else 0.0,
         f"{prefix}_preemptions": r.preemptions, f"{prefix}_evictions": r.evictions,
         f"{prefix}_failures": len(r.failures),
     })
@@ -352,6 +355,7 @@ class _PlatformWeek:
                 ("p95 wait dev (s)", "dev_wait_p95_s", ".0f"), ("SLO minutes", "slo_minutes", ".0f"),
                 ("shortage minutes", "shortage_minutes", ".0f"),
                 ("vGPU density (dev pods per card)", "vgpu_density", ".2f"),
+                ("dev boxes on MIG (mean)", "dev_mig_pods", ".1f"),
                 ("preemptions", "preemptions", "d"), ("evictions", "evictions", "d"), ("faults", "failures", "d")):
             rows.append((label, _f(getattr(f, f"vanilla_{name}"), fmt), _f(getattr(f, f"platform_{name}"), fmt)))
         rows.append(("night conversion (%)", "", _f(f.platform_night_conversion_pct)))

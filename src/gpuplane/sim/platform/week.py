@@ -52,7 +52,7 @@ from gpuplane.controllers.classifier import FailureClassifier
 from gpuplane.controllers.colocation import CardPolicy, GuardSettings, MemoryGuard
 from gpuplane.controllers.health import NodeHealthBook
 from gpuplane.controllers.recovery import AdoptedGang, CheckpointPlanner, RecoveryController
-from gpuplane.model import MILLI_PER_CARD, Fraction, PodRequest, QoS, Toleration, default_catalog
+from gpuplane.model import MILLI_PER_CARD, Fraction, GpuForm, MigSlice, PodRequest, QoS, Toleration, default_catalog
 from gpuplane.model.priority import BATCH_LOW, DEV, ONLINE, TRAINING, default_priority_classes
 from gpuplane.model.quota import QueueQuota, Quotas
 from gpuplane.model.tidal import TidalPolicy, TidalService, TidalWindow
@@ -153,6 +153,8 @@ class ArmRun:
     lent_share: list[float] = field(default_factory=list)
     coloc_alloc: list[float] = field(default_factory=list)
     density: list[float] = field(default_factory=list)
+    mig_pods: list[int] = field(default_factory=list)
+    """per sample, the dev boxes running on a MIG instance"""
     preemptions: int = 0
     evictions: int = 0
     guard_evictions: int = 0
@@ -282,6 +284,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
     tasks: dict[str, _Task] = {}
     task_of: dict[str, _Task] = {}
     job_rng = np.random.default_rng([s.seed, 5])
+    dev_rng = np.random.default_rng([s.seed, 11])  # its own stream: the MIG share moves no other draw
     counter = [0]
     save = s.save_model()
     nearline_pools = frozenset({INFERENCE_POOL} | {"none": set(), "stable": {STABLE_POOL},
@@ -338,9 +341,11 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                  priority_class=BATCH_LOW, qos=QoS.OFFLINE, pools=nearline_pools,
                                  checkpoint_every_s=s.checkpoint_every_s)
             task = _Task(kind, job, 1, request)
-        else:  # a dev box
-            request = PodRequest(name, cpu_milli=4000, memory_mib=32_768,
-                                 gpu=gpu_form(s, "A30-24GB", 250, s.dev_memory_mib / 24_576), priority_class=DEV,
+        else:  # a dev box: a MIG instance for dev_mig_share of them, else a quarter card with oversold memory
+            mig = float(dev_rng.random()) < s.dev_mig_share
+            form: GpuForm = MigSlice(s.dev_mig_profile) if mig and s.vgpu else gpu_form(
+                s, "A30-24GB", 250, s.dev_memory_mib / 24_576)
+            request = PodRequest(name, cpu_milli=4000, memory_mib=32_768, gpu=form, priority_class=DEV,
                                  qos=QoS.ONLINE, pools=frozenset({DEV_POOL}))
             task = _Task(kind, None, 1, request)
         tasks[name] = task
@@ -752,7 +757,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                 count[n.spec.pool] += 1
             node_busy: dict[str, float] = defaultdict(float)
             node_alloc: dict[str, int] = defaultdict(int)
-            dev_pods = 0
+            dev_pods = mig_pods = 0
             dev_cards: set[tuple[str, int]] = set()
             book(now)
             for b in cluster.state.bindings.values():
@@ -761,6 +766,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                 node_busy[node] += busy_milli(b.request.name, b.assignment.gpu_milli, ready)
                 if pool_of[node] == DEV_POOL:
                     dev_pods += 1
+                    mig_pods += any(c.mig_profile is not None for c in b.assignment.cards)
                     dev_cards.update((node, c) for c in b.assignment.card_indexes)
             busy: dict[str, float] = defaultdict(float)
             alloc: dict[str, float] = defaultdict(float)
@@ -785,6 +791,7 @@ def run_arm(s: PlatformSettings, on_world: Callable[[World], None] | None = None
                                                                                              * MILLI_PER_CARD))
             run.coloc_alloc.append(run.alloc[INFERENCE_POOL][-1])
             run.density.append(dev_pods / len(dev_cards) if dev_cards else 0.0)
+            run.mig_pods.append(mig_pods)
         if now + s.sample_s < horizon:
             loop.call_later(s.sample_s, sample)
 
