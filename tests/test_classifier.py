@@ -440,3 +440,38 @@ def test_classify_command_with_operator_signatures(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "ours.yaml" in bad.output and "signatures.0 (id widget)" in bad.output
     missing = runner.invoke(app, ["classify", str(tmp_path / "nope.log")])
     assert missing.exit_code == 2 and "nope.log" in missing.output
+
+
+# ------------------------------------------------------------------------------------- echoes and fallbacks
+
+XID_13 = ("NVRM: Xid (PCI:0000:cb:00): 13, pid=4242, name=python, Graphics SM Warp Exception on (GPC 7, TPC 7, SM 0): "
+          "Illegal Instruction Parameter")
+XID_109 = "NVRM: Xid (PCI:0000:cb:00): 109, pid=4242, name=python, Ch 00000008, errorString CTX SWITCH TIMEOUT"
+
+
+def test_a_context_switch_timeout_after_the_applications_xid_13_is_its_echo(classifier: FailureClassifier) -> None:
+    classifier.feed_line("a", XID_13, t=10.0)
+    echo = classifier.feed_line("a", XID_109, t=15.0)
+    assert echo is not None and echo.echo and not echo.blames_node
+    verdict = classifier.verdict()
+    assert verdict.signature is LIBRARY["xid-13"] and verdict.blamed_nodes == ()
+    # on another node, or alone, the Xid 109 is the node's fault
+    classifier.reset(forget_history=True)
+    classifier.feed_line("a", XID_13, t=10.0)
+    alone = classifier.feed_line("b", XID_109, t=15.0)
+    assert alone is not None and not alone.echo
+    assert classifier.verdict().signature is LIBRARY["xid-109"] and classifier.verdict().blamed_nodes == ("b",)
+
+
+def test_a_bare_traceback_decides_only_when_nothing_else_matched(classifier: FailureClassifier) -> None:
+    frame = '  File "/opt/conda/lib/python3.11/site-packages/deepspeed/runtime/engine.py", line 1103, in _configure'
+    classifier.feed_line("a", "Traceback (most recent call last):", t=10.0)
+    classifier.feed_line("a", frame, t=10.0)
+    verdict = classifier.verdict()
+    assert verdict.signature is LIBRARY["py-traceback"] and verdict.failure_class is FailureClass.SOFTWARE
+    assert verdict.blamed_nodes == ()
+    classifier.feed_line("b", WATCHDOG.format(r=1), t=30.0)  # an echo outranks the fallback
+    assert classifier.verdict().signature is LIBRARY["nccl-watchdog-timeout"]
+    classifier.feed_line("a", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", t=40.0)
+    assert classifier.verdict().signature is LIBRARY["cuda-oom"]
+

@@ -113,19 +113,21 @@ class SignatureMatch:
     action: FailureAction
     evidence: str
     escalated: bool = False
+    echo: bool = False
+    """an echo: its signature's `echo`, or a signature of its `echo_after` matched earlier on its node"""
 
     @property
     def blames_node(self) -> bool:
         """Whether this match blames its node: a blaming signature (or an escalation to isolate-node) that
-        is neither tolerated (log-only) nor an echo."""
-        if self.action is FailureAction.LOG_ONLY or self.signature.echo:
+        is neither tolerated (log-only) nor an echo nor a fallback."""
+        if self.action is FailureAction.LOG_ONLY or self.echo or self.signature.fallback:
             return False
         return self.signature.blame_node or (self.escalated and self.action is FailureAction.ISOLATE_NODE)
 
     def to_dict(self) -> dict[str, Any]:
         return {"signature": self.signature.id, "node": self.node, "t": self.t, "seq": self.seq,
                 "action": self.action.value, "class": self.signature.failure_class.value,
-                "escalated": self.escalated, "evidence": self.evidence}
+                "escalated": self.escalated, "echo": self.echo, "evidence": self.evidence}
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +247,10 @@ class FailureClassifier:
         """per blaming signature, the nodes it was seen on"""
         # the incident (see _reset_incident)
         self._matches: list[SignatureMatch] = []
-        self._earliest: tuple[dict[int, tuple[float, int, SignatureMatch]], ...] = ({}, {})
-        """per group (causes, echoes): severity -> the earliest (time, seq, match) of that severity"""
+        self._earliest: tuple[dict[int, tuple[float, int, SignatureMatch]], ...] = ({}, {}, {})
+        """per group (causes, echoes, fallbacks): severity -> the earliest (time, seq, match) of that severity"""
+        self._seen: set[tuple[str, str]] = set()
+        """(node, signature id) of the incident's matches, for `echo_after`"""
         self._blame: dict[str, tuple[float, int, int]] = {}
         self._counted: set[tuple[str, str, str]] = set()
         self._last_t: dict[str, float] = {}
@@ -462,7 +466,8 @@ class FailureClassifier:
         self._nodes = set()
         self._spread = {}
         self._matches = []
-        self._earliest = ({}, {})
+        self._earliest = ({}, {}, {})
+        self._seen = set()
         self._blame = {}
         self._counted = set()
         self._last_t = {}
@@ -473,7 +478,7 @@ class FailureClassifier:
         self._candidates += 1
         text = line.decode("utf-8", "replace")
         best: Signature | None = None
-        best_rank: tuple[bool, int, bool, int] | None = None
+        best_rank: tuple[int, int, bool, int] | None = None
         for owner in owners:
             if owner == STRUCTURED:
                 continue
@@ -500,10 +505,10 @@ class FailureClassifier:
         self._matched_lines += 1
         return self._record(best, node, t, text.rstrip("\r\n")[:EVIDENCE_CHARS], text)
 
-    def _rank(self, signature: Signature, *, structured: bool) -> tuple[bool, int, bool, int]:
-        """Which of several signatures matching one line speaks for it: a cause before an echo, the more
-        severe, an Xid/exit/signal reading before a pattern, the earlier in the library."""
-        return (not signature.echo, signature.action.severity, structured, -self._order[signature.id])
+    def _rank(self, signature: Signature, *, structured: bool) -> tuple[int, int, bool, int]:
+        """Which of several signatures matching one line speaks for it: a cause before an echo before a
+        fallback, the more severe, an Xid/exit/signal reading before a pattern, the earlier in the library."""
+        return (-_group(signature), signature.action.severity, structured, -self._order[signature.id])
 
     def _record(self, signature: Signature, node: str, t: float | None, evidence: str,
                 text: str | None) -> SignatureMatch:
@@ -531,15 +536,17 @@ class FailureClassifier:
             del times[:-escalation.count]  # the latest `count` are all that can matter
             if len(times) >= escalation.count:
                 action, escalated = escalation.action, True
+        echo = signature.echo or any((node, sid) in self._seen for sid in signature.echo_after)
+        self._seen.add((node, signature.id))
         seq = self._seq
         self._seq += 1
-        match = SignatureMatch(signature, node, t, seq, action, evidence, escalated)
+        match = SignatureMatch(signature, node, t, seq, action, evidence, escalated, echo)
         if len(self._matches) < self._max_matches:
             self._matches.append(match)
         else:
             self._dropped_matches += 1
         if action is not FailureAction.LOG_ONLY:
-            group = self._earliest[signature.echo]
+            group = self._earliest[1 if echo else _group(signature)]
             known = group.get(action.severity)
             if known is None or (when, seq) < known[:2]:
                 group[action.severity] = (when, seq, match)
@@ -552,7 +559,8 @@ class FailureClassifier:
 
     def _pick_cause(self) -> SignatureMatch | None:
         """The first error: among the matches within `cause_window_s` of the earliest, the most severe
-        (the earliest of that severity); echoes only when nothing else matched."""
+        (the earliest of that severity); echoes only when nothing else matched, fallbacks only when nothing
+        but fallbacks did."""
         for group in self._earliest:
             if group:
                 first = min(when for when, _, _ in group.values())
@@ -594,6 +602,11 @@ class FailureClassifier:
                 self._prune()
             self._counts[key] = 0
         self._counts[key] += 1
+
+
+def _group(signature: Signature) -> int:
+    """The group a signature's matches compete in for the cause: 0 causes, 1 echoes, 2 fallbacks."""
+    return 2 if signature.fallback else 1 if signature.echo else 0
 
 
 def _word(m: re.Match[bytes]) -> bytes:

@@ -165,8 +165,11 @@ class Signature(BaseModel):
     """One failure signature; exactly one of `pattern`, `xid`, `exit_code`, `signal` is set.
 
     `echo` marks consequences of other failures (NCCL aborts and watchdog timeouts, SIGABRT, exit codes,
-    the torchrun wrapper): they decide a verdict only when nothing else matched. Echoes never blame a node,
-    and isolate-node needs `blame_node`.
+    the torchrun wrapper): they decide a verdict only when nothing else matched. `echo_after` names
+    signatures whose earlier match on the same node makes this one's match an echo (an Xid 109 context-switch
+    timeout after the application's Xid 13 on that node). `fallback` marks the weakest evidence (a bare
+    Python traceback, whose exception line says what happened): it decides only when neither a cause nor an
+    echo matched. Echoes and fallbacks never blame a node, and isolate-node needs `blame_node`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -182,6 +185,8 @@ class Signature(BaseModel):
     action: FailureAction
     critical: bool = False
     echo: bool = False
+    echo_after: tuple[str, ...] = ()
+    fallback: bool = False
     escalate: Escalation | None = None
     examples: list[str] = Field(min_length=1)
     near_misses: list[str] = Field(min_length=1)
@@ -230,6 +235,8 @@ class Signature(BaseModel):
             raise _error("blame", "blame_node: isolate-node needs blame_node: true")
         if self.echo and self.blame_node:
             raise _error("blame", "blame_node: an echo signature cannot blame a node")
+        if self.fallback and (self.blame_node or self.echo):
+            raise _error("fallback", "fallback: a fallback signature is neither an echo nor blames a node")
         if self.escalate is not None and self.escalate.action.severity <= self.action.severity:
             raise _error("escalate", f"escalate.action: {self.escalate.action.value} is not more severe than "
                                      f"action {self.action.value}")
