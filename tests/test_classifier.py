@@ -475,3 +475,15 @@ def test_a_bare_traceback_decides_only_when_nothing_else_matched(classifier: Fai
     classifier.feed_line("a", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", t=40.0)
     assert classifier.verdict().signature is LIBRARY["cuda-oom"]
 
+
+def test_a_store_on_loopback_restarts_and_a_remote_one_stops_on_a_repeat(classifier: FailureClassifier) -> None:
+    remote = "[c10d] The client socket has timed out after 900s while trying to connect to (10.1.2.3, 29500)."
+    loopback = "[c10d] The client socket has timed out after 1800s while trying to connect to (127.0.0.1, 48391)."
+    classifier.feed_line("a", loopback, t=1.0)
+    assert classifier.verdict().signature is LIBRARY["c10d-store-loopback"]
+    for attempt in range(2):
+        classifier.reset(scope="job")
+        classifier.feed_line("a", remote, t=100.0 + attempt)
+        verdict = classifier.verdict()
+        assert verdict.signature is LIBRARY["c10d-store"]
+        assert verdict.action is (FailureAction.RESTART_JOB if attempt == 0 else FailureAction.DO_NOT_RETRY)
