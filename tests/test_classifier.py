@@ -487,3 +487,18 @@ def test_a_store_on_loopback_restarts_and_a_remote_one_stops_on_a_repeat(classif
         verdict = classifier.verdict()
         assert verdict.signature is LIBRARY["c10d-store"]
         assert verdict.action is (FailureAction.RESTART_JOB if attempt == 0 else FailureAction.DO_NOT_RETRY)
+
+
+def test_a_virtual_bootstrap_interface_turns_a_socket_failure_into_a_configuration_fault(
+        classifier: FailureClassifier) -> None:
+    bootstrap = "h1:10:10 [0] NCCL INFO Bootstrap : Using docker0:172.17.0.1<0>"
+    connect = ("h1:10:20 [0] misc/socket.cc:483 NCCL WARN socketStartConnect: Connect to 10.0.0.2<41000> failed : "
+               "Software caused connection abort")
+    assert classifier.feed_line("a", bootstrap) is not None
+    assert classifier.verdict().unknown  # alone it is tolerated: one host runs fine on a bridge
+    classifier.feed_line("b", connect)  # a peer's connect to the node on the bridge fails too
+    verdict = classifier.verdict()
+    assert verdict.signature is LIBRARY["nccl-socket"] and verdict.action is FailureAction.DO_NOT_RETRY
+    classifier.reset(forget_history=True)
+    classifier.feed_line("a", connect)
+    assert classifier.verdict().action is FailureAction.RESTART_JOB

@@ -50,6 +50,7 @@ from gpuplane.model.failures import (
     SIGNAL_LINE,
     XID_LINE,
     XID_NAMED,
+    Amendment,
     FailureAction,
     FailureClass,
     Signature,
@@ -251,6 +252,8 @@ class FailureClassifier:
         """per group (causes, echoes, fallbacks): severity -> the earliest (time, seq, match) of that severity"""
         self._seen: set[tuple[str, str]] = set()
         """(node, signature id) of the incident's matches, for `echo_after`"""
+        self._amends: list[Amendment] = []
+        """the amendments of the incident's matches (`Signature.amends`)"""
         self._blame: dict[str, tuple[float, int, int]] = {}
         self._counted: set[tuple[str, str, str]] = set()
         self._last_t: dict[str, float] = {}
@@ -395,7 +398,9 @@ class FailureClassifier:
 
         Across nodes: a blaming signature seen on every node of the incident (three or more) is not a node
         fault (an InfiniBand completion error on every node at start-up is the fabric or the configuration):
-        it blames no node, and as the cause it restarts the job."""
+        it blames no node, and as the cause it restarts the job. A tolerated line that amends the cause's
+        signature (`Signature.amends`), seen on any node of the incident, gives the cause its more severe action
+        (a node bootstrapping NCCL on a docker bridge makes its peers' connects to it fail too)."""
         everywhere = self._everywhere()
         blame = self._blame if not everywhere else self._blame_without(everywhere)
         blamed = tuple(sorted(blame, key=blame.__getitem__))
@@ -408,6 +413,9 @@ class FailureClassifier:
         action = cause.action
         if cause.signature.id in everywhere and action is FailureAction.ISOLATE_NODE:
             action = FailureAction.RESTART_JOB
+        for amendment in self._amends:
+            if cause.signature.id in amendment.signatures and amendment.action.severity > action.severity:
+                action = amendment.action
         return Classification(cause.signature, action, cause.signature.failure_class, blamed,
                               tuple(self._matches), cause)
 
@@ -468,6 +476,7 @@ class FailureClassifier:
         self._matches = []
         self._earliest = ({}, {}, {})
         self._seen = set()
+        self._amends = []
         self._blame = {}
         self._counted = set()
         self._last_t = {}
@@ -538,6 +547,8 @@ class FailureClassifier:
                 action, escalated = escalation.action, True
         echo = signature.echo or any((node, sid) in self._seen for sid in signature.echo_after)
         self._seen.add((node, signature.id))
+        if signature.amends is not None:
+            self._amends.append(signature.amends)
         seq = self._seq
         self._seq += 1
         match = SignatureMatch(signature, node, t, seq, action, evidence, escalated, echo)

@@ -161,6 +161,18 @@ class Escalation(BaseModel):
     per: Literal["event", "incident"] = "event"
 
 
+class Amendment(BaseModel):
+    """What a tolerated line says about the cause: when one of `signatures` is the cause of an incident in
+    which this signature matched (on any node), the verdict takes `action` when it is more severe (NCCL
+    bootstrapping on a docker bridge or a link-local address turns a socket connect failure, on that node or
+    on its peers, into a configuration fault)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    signatures: tuple[str, ...] = Field(min_length=1)
+    action: FailureAction
+
+
 class Signature(BaseModel):
     """One failure signature; exactly one of `pattern`, `xid`, `exit_code`, `signal` is set.
 
@@ -187,6 +199,7 @@ class Signature(BaseModel):
     echo: bool = False
     echo_after: tuple[str, ...] = ()
     fallback: bool = False
+    amends: Amendment | None = None
     escalate: Escalation | None = None
     examples: list[str] = Field(min_length=1)
     near_misses: list[str] = Field(min_length=1)
@@ -237,6 +250,8 @@ class Signature(BaseModel):
             raise _error("blame", "blame_node: an echo signature cannot blame a node")
         if self.fallback and (self.blame_node or self.echo):
             raise _error("fallback", "fallback: a fallback signature is neither an echo nor blames a node")
+        if self.amends is not None and self.action is not FailureAction.LOG_ONLY:
+            raise _error("amends", "amends: only a log-only signature amends other signatures' verdicts")
         if self.escalate is not None and self.escalate.action.severity <= self.action.severity:
             raise _error("escalate", f"escalate.action: {self.escalate.action.value} is not more severe than "
                                      f"action {self.action.value}")
