@@ -502,3 +502,23 @@ def test_a_virtual_bootstrap_interface_turns_a_socket_failure_into_a_configurati
     classifier.reset(forget_history=True)
     classifier.feed_line("a", connect)
     assert classifier.verdict().action is FailureAction.RESTART_JOB
+
+
+def test_xid_31_from_three_processes_on_one_gpu_is_the_gpu(classifier: FailureClassifier) -> None:
+    line = ("NVRM: Xid (PCI:0000:{gpu}:00): 31, pid={pid}, Ch 00000008, intr 00000000. MMU Fault: ENGINE GRAPHICS "
+            "GPCCLIENT_T1_10 faulted @ 0x7fd7_90743000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ")
+    for pid in (100, 200):  # two processes: still the application's
+        classifier.feed_line("a", line.format(gpu="db", pid=pid), t=float(pid))
+    classifier.feed_line("a", line.format(gpu="1a", pid=300), t=300.0)  # another GPU does not count
+    assert classifier.verdict().failure_class is FailureClass.SOFTWARE
+    third = classifier.feed_line("a", line.format(gpu="db", pid=400), t=3000.0)
+    assert third is not None and third.escalated and third.failure_class is FailureClass.GPU_HARDWARE
+    verdict = classifier.verdict()  # the repeat, long after the first fault, speaks for it
+    assert verdict.cause is third and verdict.action is FailureAction.ISOLATE_NODE
+    assert verdict.failure_class is FailureClass.GPU_HARDWARE and verdict.blamed_nodes == ("a",)
+    classifier.reset(scope="other-job")  # counted across jobs: the device is what repeats
+    classifier.feed_line("a", line.format(gpu="db", pid=500), t=4000.0)
+    assert classifier.verdict().action is FailureAction.ISOLATE_NODE
+    classifier.reset(forget_history=True)
+    classifier.feed_line("a", line.format(gpu="db", pid=600), t=5000.0)
+    assert classifier.verdict().failure_class is FailureClass.SOFTWARE

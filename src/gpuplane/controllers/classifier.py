@@ -50,6 +50,7 @@ from gpuplane.model.failures import (
     SIGNAL_LINE,
     XID_LINE,
     XID_NAMED,
+    XID_PROCESS,
     Amendment,
     FailureAction,
     FailureClass,
@@ -116,6 +117,12 @@ class SignatureMatch:
     escalated: bool = False
     echo: bool = False
     """an echo: its signature's `echo`, or a signature of its `echo_after` matched earlier on its node"""
+    reclassified: FailureClass | None = None
+    """the class a `device_repeat` gave it (None: its signature's)"""
+
+    @property
+    def failure_class(self) -> FailureClass:
+        return self.signature.failure_class if self.reclassified is None else self.reclassified
 
     @property
     def blames_node(self) -> bool:
@@ -127,7 +134,7 @@ class SignatureMatch:
 
     def to_dict(self) -> dict[str, Any]:
         return {"signature": self.signature.id, "node": self.node, "t": self.t, "seq": self.seq,
-                "action": self.action.value, "class": self.signature.failure_class.value,
+                "action": self.action.value, "class": self.failure_class.value,
                 "escalated": self.escalated, "echo": self.echo, "evidence": self.evidence}
 
 
@@ -242,6 +249,8 @@ class FailureClassifier:
         # not blame its node counts for the job wherever it runs (node ""): a code fault follows the job.
         self._history: dict[tuple[str, str, str], list[float]] = {}
         self._scope = ""
+        self._devices: dict[tuple[str, str, str], dict[str, float]] = {}
+        """`device_repeat` history: (signature id, node, GPU) -> the latest time of each process that faulted"""
         self._nodes: set[str] = set()
         """the nodes the incident's lines and events came from"""
         self._spread: dict[str, set[str]] = {}
@@ -398,13 +407,17 @@ class FailureClassifier:
 
         Across nodes: a blaming signature seen on every node of the incident (three or more) is not a node
         fault (an InfiniBand completion error on every node at start-up is the fabric or the configuration):
-        it blames no node, and as the cause it restarts the job. A tolerated line that amends the cause's
-        signature (`Signature.amends`), seen on any node of the incident, gives the cause its more severe action
-        (a node bootstrapping NCCL on a docker bridge makes its peers' connects to it fail too)."""
+        it blames no node, and as the cause it restarts the job. When the cause's signature escalated later in
+        the incident on the cause's node, the escalated match is the cause (`_escalated`). A tolerated line that
+        amends the cause's signature (`Signature.amends`), seen on any node of the incident, gives the cause its
+        more severe action (a node bootstrapping NCCL on a docker bridge makes its peers' connects to it fail
+        too)."""
         everywhere = self._everywhere()
         blame = self._blame if not everywhere else self._blame_without(everywhere)
         blamed = tuple(sorted(blame, key=blame.__getitem__))
         cause = self._pick_cause()
+        if cause is not None:
+            cause = self._escalated(cause)
         if cause is None:
             if not self._unknown_counted:
                 self._unknown_counted = True
@@ -416,7 +429,7 @@ class FailureClassifier:
         for amendment in self._amends:
             if cause.signature.id in amendment.signatures and amendment.action.severity > action.severity:
                 action = amendment.action
-        return Classification(cause.signature, action, cause.signature.failure_class, blamed,
+        return Classification(cause.signature, action, cause.failure_class, blamed,
                               tuple(self._matches), cause)
 
     def reset(self, *, forget_history: bool = False, scope: str = "") -> None:
@@ -428,6 +441,7 @@ class FailureClassifier:
         self._scope = scope
         if forget_history:
             self._history.clear()
+            self._devices.clear()
 
     @property
     def unknown_failures(self) -> int:
@@ -545,13 +559,25 @@ class FailureClassifier:
             del times[:-escalation.count]  # the latest `count` are all that can matter
             if len(times) >= escalation.count:
                 action, escalated = escalation.action, True
+        reclassified = None
+        repeat = signature.device_repeat
+        if repeat is not None and text is not None and (found := XID_PROCESS.search(text)) is not None:
+            pids = self._devices.setdefault((signature.id, node, found.group(1)), {})
+            pids[found.group(2)] = when
+            if when != INF:
+                for pid in [pid for pid, at in pids.items() if at < when - repeat.window_s]:
+                    del pids[pid]
+            if len(pids) > repeat.processes:  # the latest `processes` are all that can matter
+                del pids[min(pids, key=pids.__getitem__)]
+            if len(pids) >= repeat.processes:
+                action, escalated, reclassified = repeat.action, True, repeat.failure_class
         echo = signature.echo or any((node, sid) in self._seen for sid in signature.echo_after)
         self._seen.add((node, signature.id))
         if signature.amends is not None:
             self._amends.append(signature.amends)
         seq = self._seq
         self._seq += 1
-        match = SignatureMatch(signature, node, t, seq, action, evidence, escalated, echo)
+        match = SignatureMatch(signature, node, t, seq, action, evidence, escalated, echo, reclassified)
         if len(self._matches) < self._max_matches:
             self._matches.append(match)
         else:
@@ -567,6 +593,17 @@ class FailureClassifier:
                 if node not in self._blame or blame < self._blame[node]:
                     self._blame[node] = blame
         return match
+
+    def _escalated(self, cause: SignatureMatch) -> SignatureMatch:
+        """The cause, or the first later match of its signature on its node that repetition escalated to a more
+        severe action: the repeat speaks for the cause (three processes faulting on one GPU over an hour make
+        the first fault's verdict the device's, not the application's)."""
+        best = cause
+        for m in self._matches:
+            if (m.escalated and m.signature is cause.signature and m.node == cause.node
+                    and m.action.severity > best.action.severity):
+                best = m
+        return best
 
     def _pick_cause(self) -> SignatureMatch | None:
         """The first error: among the matches within `cause_window_s` of the earliest, the most severe

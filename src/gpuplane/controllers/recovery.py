@@ -193,7 +193,7 @@ def nodes_to_isolate(verdict: Classification) -> tuple[str, ...]:
     if verdict.action is not FailureAction.ISOLATE_NODE:
         return ()
     own = {m.node for m in verdict.matches
-           if m.blames_node and m.signature.failure_class is not FailureClass.NETWORK}
+           if m.blames_node and m.failure_class is not FailureClass.NETWORK}
     return tuple(n for n in verdict.blamed_nodes if n in own) if own else verdict.blamed_nodes
 
 

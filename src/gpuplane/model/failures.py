@@ -121,6 +121,8 @@ XID_NAMED = re.compile(r"caused by previous Xid (\d{1,5})\b|XidCriticalError: Xi
 EXIT_LINE = re.compile(r"\bexitcode\s{0,8}:\s{0,8}(-?\d{1,3})\b|\bExit Code:\s{0,16}(-?\d{1,3})\b"
                        r"|\bexitCode\"?\s{0,4}[:=]\s{0,4}(-?\d{1,3})\b")
 #: torchrun's elastic agent: `Signal 6 (SIGABRT) received by PID 4242`
+#: the GPU (PCI address) and process of a dmesg Xid line, for `DeviceRepeat`
+XID_PROCESS = re.compile(r"NVRM: Xid \((?:PCI:)?([^)\n]{1,64})\): \d{1,5}, pid=(\d{1,10})\b")
 SIGNAL_LINE = re.compile(r"\b[Ss]ignal \d{1,2} \((SIG[A-Z0-9]{2,8})\) received by PID")
 
 Event = tuple[Literal["xid"], int] | tuple[Literal["exit"], int] | tuple[Literal["signal"], str]
@@ -159,6 +161,22 @@ class Escalation(BaseModel):
     window_s: float = Field(gt=0, allow_inf_nan=False)
     action: FailureAction
     per: Literal["event", "incident"] = "event"
+
+
+class DeviceRepeat(BaseModel):
+    """The same Xid on one GPU (the PCI address of its dmesg line) from `processes` distinct processes within
+    `window_s` seconds is the device, not the application: NVIDIA's Xid catalogue for Xid 13 and 31 reads
+    repeated faults on the same GPU as a possible hardware issue (run diagnostics) and faults spread over
+    different GPUs, or one alone, as the application's. That match takes `action` and `failure_class` and
+    blames its node. Counted across incidents and jobs (different jobs faulting on one GPU are the strongest
+    sign), until `reset(forget_history=True)`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    processes: int = Field(ge=2, le=1000)
+    window_s: float = Field(gt=0, allow_inf_nan=False)
+    action: FailureAction
+    failure_class: FailureClass
 
 
 class Amendment(BaseModel):
@@ -201,6 +219,7 @@ class Signature(BaseModel):
     fallback: bool = False
     amends: Amendment | None = None
     escalate: Escalation | None = None
+    device_repeat: DeviceRepeat | None = None
     examples: list[str] = Field(min_length=1)
     near_misses: list[str] = Field(min_length=1)
 
@@ -250,6 +269,10 @@ class Signature(BaseModel):
             raise _error("blame", "blame_node: an echo signature cannot blame a node")
         if self.fallback and (self.blame_node or self.echo):
             raise _error("fallback", "fallback: a fallback signature is neither an echo nor blames a node")
+        if self.device_repeat is not None and (self.xid is None or self.echo or self.fallback
+                                               or self.device_repeat.action.severity <= self.action.severity):
+            raise _error("device_repeat", "device_repeat: an Xid signature's, neither echo nor fallback, with an "
+                                          "action more severe than its own")
         if self.amends is not None and self.action is not FailureAction.LOG_ONLY:
             raise _error("amends", "amends: only a log-only signature amends other signatures' verdicts")
         if self.escalate is not None and self.escalate.action.severity <= self.action.severity:
