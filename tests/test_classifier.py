@@ -522,3 +522,13 @@ def test_xid_31_from_three_processes_on_one_gpu_is_the_gpu(classifier: FailureCl
     classifier.reset(forget_history=True)
     classifier.feed_line("a", line.format(gpu="db", pid=600), t=5000.0)
     assert classifier.verdict().failure_class is FailureClass.SOFTWARE
+
+
+def test_the_message_that_says_why_explains_the_generic_admission_error(classifier: FailureClassifier) -> None:
+    classifier.feed_line("a", "Reason:         UnexpectedAdmissionError")
+    assert classifier.verdict().action is FailureAction.ISOLATE_NODE
+    classifier.feed_line("a", "Message:  Pod Allocate failed due to rpc error: code = Unknown desc = candidate pod not "
+                              "found for request &AllocateRequest{ContainerRequests:[&ContainerAllocateRequest{")
+    verdict = classifier.verdict()
+    assert verdict.signature is LIBRARY["kubelet-admission-request"] and verdict.blamed_nodes == ()
+    assert verdict.failure_class is FailureClass.SOFTWARE and verdict.action is FailureAction.RESTART_JOB

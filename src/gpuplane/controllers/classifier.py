@@ -263,6 +263,8 @@ class FailureClassifier:
         """(node, signature id) of the incident's matches, for `echo_after`"""
         self._amends: list[Amendment] = []
         """the amendments of the incident's matches (`Signature.amends`)"""
+        self._explained: set[str] = set()
+        """the signatures the incident's matches explain (`Signature.explains`)"""
         self._blame: dict[str, tuple[float, int, int]] = {}
         self._counted: set[tuple[str, str, str]] = set()
         self._last_t: dict[str, float] = {}
@@ -413,7 +415,8 @@ class FailureClassifier:
         more severe action (a node bootstrapping NCCL on a docker bridge makes its peers' connects to it fail
         too)."""
         everywhere = self._everywhere()
-        blame = self._blame if not everywhere else self._blame_without(everywhere)
+        unblamed = everywhere | self._explained
+        blame = self._blame if not unblamed else self._blame_without(unblamed)
         blamed = tuple(sorted(blame, key=blame.__getitem__))
         cause = self._pick_cause()
         if cause is not None:
@@ -491,6 +494,7 @@ class FailureClassifier:
         self._earliest = ({}, {}, {})
         self._seen = set()
         self._amends = []
+        self._explained = set()
         self._blame = {}
         self._counted = set()
         self._last_t = {}
@@ -509,7 +513,7 @@ class FailureClassifier:
             regex = signature.regex
             if regex is not None and regex.search(text) is not None:
                 rank = self._rank(signature, structured=False)
-                if best_rank is None or rank > best_rank:
+                if _better(signature, rank, best, best_rank):
                     best, best_rank = signature, rank
         events = line_events(text) if STRUCTURED in owners else []
         for kind, value in events:
@@ -521,7 +525,7 @@ class FailureClassifier:
                 found = self.library.resolve_exit(None, str(value))
             if found is not None:
                 rank = self._rank(found, structured=True)
-                if best_rank is None or rank > best_rank:
+                if _better(found, rank, best, best_rank):
                     best, best_rank = found, rank
         if best is None:
             return None
@@ -575,6 +579,7 @@ class FailureClassifier:
         self._seen.add((node, signature.id))
         if signature.amends is not None:
             self._amends.append(signature.amends)
+        self._explained.update(signature.explains)
         seq = self._seq
         self._seq += 1
         match = SignatureMatch(signature, node, t, seq, action, evidence, escalated, echo, reclassified)
@@ -608,8 +613,20 @@ class FailureClassifier:
     def _pick_cause(self) -> SignatureMatch | None:
         """The first error: among the matches within `cause_window_s` of the earliest, the most severe
         (the earliest of that severity); echoes only when nothing else matched, fallbacks only when nothing
-        but fallbacks did."""
-        for group in self._earliest:
+        but fallbacks did. Matches of signatures that another match explains do not compete (the groups are
+        then made again from the matches kept)."""
+        groups = self._earliest
+        if self._explained:
+            groups = ({}, {}, {})
+            for m in self._matches:
+                if m.action is FailureAction.LOG_ONLY or m.signature.id in self._explained:
+                    continue
+                group = groups[1 if m.echo else _group(m.signature)]
+                when = INF if m.t is None else m.t
+                known = group.get(m.action.severity)
+                if known is None or (when, m.seq) < known[:2]:
+                    group[m.action.severity] = (when, m.seq, m)
+        for group in groups:
             if group:
                 first = min(when for when, _, _ in group.values())
                 limit = first + self._window
@@ -650,6 +667,15 @@ class FailureClassifier:
                 self._prune()
             self._counts[key] = 0
         self._counts[key] += 1
+
+
+def _better(signature: Signature, rank: tuple[int, int, bool, int], best: Signature | None,
+            best_rank: tuple[int, int, bool, int] | None) -> bool:
+    """Whether `signature` speaks for a line rather than `best`: one that explains the other wins, else the
+    higher rank (`_rank`)."""
+    if best is None or best_rank is None or best.id in signature.explains:
+        return True
+    return signature.id not in best.explains and rank > best_rank
 
 
 def _group(signature: Signature) -> int:

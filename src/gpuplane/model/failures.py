@@ -218,6 +218,7 @@ class Signature(BaseModel):
     echo_after: tuple[str, ...] = ()
     fallback: bool = False
     amends: Amendment | None = None
+    explains: tuple[str, ...] = ()
     escalate: Escalation | None = None
     device_repeat: DeviceRepeat | None = None
     examples: list[str] = Field(min_length=1)
