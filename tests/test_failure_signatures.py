@@ -235,6 +235,14 @@ BAD_FILES: list[tuple[str, object, str]] = [
      "signatures.0 (id my-sig): blame_node: isolate-node needs blame_node: true"),
     ("echo that blames", {"signatures": [_entry(echo=True, blame_node=True)]},
      "signatures.0 (id my-sig): blame_node: an echo signature cannot blame a node"),
+    ("fallback that blames", {"signatures": [_entry(fallback=True, blame_node=True)]},
+     "signatures.0 (id my-sig): fallback: a fallback signature is neither an echo nor blames a node"),
+    ("amendment by a cause", {"signatures": [_entry(amends={"signatures": ["xid-79"], "action": "isolate-node"})]},
+     "signatures.0 (id my-sig): amends: only a log-only signature amends other signatures' verdicts"),
+    ("device repeat on a pattern", {"signatures": [_entry(device_repeat={
+        "processes": 3, "window_s": 60, "action": "isolate-node", "failure_class": "gpu-hardware"})]},
+     "signatures.0 (id my-sig): device_repeat: an Xid signature's, neither echo nor fallback, with an action more "
+     "severe than its own"),
     ("escalation not worse", {"signatures": [_entry(escalate={"count": 2, "window_s": 60, "action": "restart-job"})]},
      "signatures.0 (id my-sig): escalate.action: restart-job is not more severe than action do-not-retry"),
     ("bad escalation count", {"signatures": [_entry(
