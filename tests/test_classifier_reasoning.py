@@ -94,6 +94,20 @@ def test_xid_readings(line: str, xid: int | None) -> None:
     assert xids == ([] if xid is None else [xid])
 
 
+
+@pytest.mark.parametrize(("line", "code"), [
+    # a launcher's summary in words: negative codes are torchrun's "killed by signal n"
+    ("run 12: launcher failed with exit code -9 (pid 4242)", -9),
+    ("worker 3 exited with exit code -11", -11),
+    # a positive code in words is not read (exit-N signatures and segfault-spellings read their own)
+    ("worker 3 exited with exit code 139", None),
+    ("  exitcode  : -6 (pid: 4242)", -6),
+])
+def test_exit_readings(line: str, code: int | None) -> None:
+    codes = [v for k, v in line_events(line) if k == "exit"]
+    assert codes == ([] if code is None else [code])
+
+
 T = calendar.timegm((2026, 12, 1, 12, 0, 0, 0, 0, 0))
 
 

@@ -117,9 +117,11 @@ NVLINK5_NONFATAL = re.compile(r", \w{2,32} Nonfatal\b")
 XID_NAMED = re.compile(r"caused by previous Xid (\d{1,5})\b|XidCriticalError: Xid=(\d{1,5})\b"
                        r"|\bxid=(\d{1,5})\b.{0,120}\bunhealthy\b")
 #: torchrun's failure summary (`exitcode  : -6 (pid: 4242)`), `kubectl describe pod` (`Exit Code:    137`),
-#: pod status in YAML or JSON (`exitCode: 137`, `"exitCode":137`).
+#: pod status in YAML or JSON (`exitCode: 137`, `"exitCode":137`), a launcher's summary in words with a
+#: negative (signal) code (`launcher failed with exit code -9`).
 EXIT_LINE = re.compile(r"\bexitcode\s{0,8}:\s{0,8}(-?\d{1,3})\b|\bExit Code:\s{0,16}(-?\d{1,3})\b"
-                       r"|\bexitCode\"?\s{0,4}[:=]\s{0,4}(-?\d{1,3})\b")
+                       r"|\bexitCode\"?\s{0,4}[:=]\s{0,4}(-?\d{1,3})\b"
+                       r"|\b(?:failed|exited) with exit code (-\d{1,3})\b")
 #: torchrun's elastic agent: `Signal 6 (SIGABRT) received by PID 4242`
 #: the GPU (PCI address) and process of a dmesg Xid line, for `DeviceRepeat`
 XID_PROCESS = re.compile(r"NVRM: Xid \((?:PCI:)?([^)\n]{1,64})\): \d{1,5}, pid=(\d{1,10})\b")
