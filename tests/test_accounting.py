@@ -644,7 +644,8 @@ def test_simulated_ledger_agrees_with_the_weeks_own_book() -> None:
     from gpuplane.controllers.accounting import clip
     from gpuplane.sim.accounting import simulate
 
-    s = PlatformSettings.model_validate(dict(SCENARIO.quick))
+    # every dev box a vGPU quarter card (no MIG half cards), so the dev row's efficiency is one figure, 0.15 / 0.25
+    s = PlatformSettings.model_validate(dict(SCENARIO.quick) | {"dev_mig_share": 0.0})
     run = simulate(s)
     warm = s.warmup_hours * 3600.0
     rows = {r.key[0]: r for r in bill(clip(run.bookings, warm, run.horizon_s), s.price_per_gpu_h,
