@@ -589,9 +589,7 @@ class FailureClassifier:
             self._dropped_matches += 1
         if action is not FailureAction.LOG_ONLY:
             group = self._earliest[1 if echo else _group(signature)]
-            known = group.get(action.severity)
-            if known is None or (when, seq) < known[:2]:
-                group[action.severity] = (when, seq, match)
+            _keep_earliest(group, when, match)
             if match.blames_node:
                 self._spread.setdefault(signature.id, set()).add(node)
                 blame = (when, -action.severity, seq)
@@ -622,10 +620,7 @@ class FailureClassifier:
                 if m.action is FailureAction.LOG_ONLY or m.signature.id in self._explained:
                     continue
                 group = groups[1 if m.echo else _group(m.signature)]
-                when = INF if m.t is None else m.t
-                known = group.get(m.action.severity)
-                if known is None or (when, m.seq) < known[:2]:
-                    group[m.action.severity] = (when, m.seq, m)
+                _keep_earliest(group, INF if m.t is None else m.t, m)
         for group in groups:
             if group:
                 first = min(when for when, _, _ in group.values())
@@ -667,6 +662,13 @@ class FailureClassifier:
                 self._prune()
             self._counts[key] = 0
         self._counts[key] += 1
+
+
+def _keep_earliest(group: dict[int, tuple[float, int, SignatureMatch]], when: float, match: SignatureMatch) -> None:
+    """Keep `match` as its severity's entry of `group` when it is the earliest (time, then sequence) seen."""
+    known = group.get(match.action.severity)
+    if known is None or (when, match.seq) < known[:2]:
+        group[match.action.severity] = (when, match.seq, match)
 
 
 def _better(signature: Signature, rank: tuple[int, int, bool, int], best: Signature | None,
