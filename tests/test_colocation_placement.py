@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builders import cluster, framework, node, placed, pod
-from gpuplane.model import Assignment, CardShare, ClusterState, Fraction, NodeSpec, PodRequest, QoS
+from builders import cluster, framework, node, placed, pod, schedule
+from gpuplane.model import Assignment, CardShare, ClusterState, Fraction, NodeSpec, PodRequest, PoolConfig, QoS
 from gpuplane.scheduler import CycleState
 from gpuplane.scheduler.plugins.colocation import (
     ColocationScore,
@@ -294,3 +294,29 @@ def test_online_milli_is_the_sum_of_online_pods_and_release_restores_it(
         state.release(name)
     assert not state.card_online_milli.any()
     np.testing.assert_array_equal(state.card_milli_free, free_before)
+
+
+@pytest.mark.parametrize(("oversell", "policies", "placed_card"), [
+    # both cards' compute held by online pods (1000 and 900): without an offline budget nothing fits 300 milli
+    (False, ("binpack", "colocation"), None),
+    # with it, card 1 (online pressure 0.9 against 1.0) is the colocation policy's choice
+    (True, ("binpack", "colocation"), 1),
+    # binpack packs the offline budget too: both cards have 1000 of it, ties go to the lower index
+    (True, ("binpack", "binpack"), 0),
+], ids=["no-oversell", "oversell-colocation", "oversell-binpack"])
+def test_offline_fractions_take_the_compute_online_pods_hold(oversell: bool, policies: tuple[str, str],
+                                                             placed_card: int | None) -> None:
+    state = cluster(node("n").gpus(2, "A100-40GB").pool("co").obj(),
+                    pools={"co": PoolConfig(offline_compute_oversell=oversell)})
+    put(state, online("on-full", 1000, 4096), "n", 0)
+    put(state, online("on-most", 900, 4096), "n", 1)
+    decision = schedule(framework(*policies), state, offline("off", 300, 4096))
+    if placed_card is None:
+        assert decision.assignment is None
+        return
+    assert decision.assignment is not None and decision.assignment.cards[0].card == placed_card
+    # the online compute is as it was; the offline budget of the chosen card has 1000 - 300 = 700 left
+    assert state.card_milli_free[0, :2].tolist() == [0, 100]
+    assert state.card_offline_free[0, placed_card] == 700
+    # an online pod still gets the 100 milli card 1 has left
+    assert placed(framework(*policies), state, online("on-late", 100, 1024)).cards[0].card == 1

@@ -802,3 +802,67 @@ def test_model_allowed_and_masks() -> None:
     mask = state.taint_mask(pod("p").tolerate("spot").obj())
     assert mask is not None and mask.tolist() == [True, True]
     assert cluster(node("c").obj()).taint_mask(pod("p").obj()) is None
+
+
+# ============================================================================ offline compute oversell
+
+def _oversold_state() -> ClusterState:
+    """Node "co" in a pool with an offline compute budget, node "plain" without (one card each)."""
+    pools = {"co": PoolConfig(offline_compute_oversell=True)}
+    return cluster(node("co").gpus(1).pool("co").obj(), node("plain").gpus(1).obj(), pools=pools)
+
+
+def _offline(name: str, milli: int) -> PodRequest:
+    return pod(name).fraction(milli).qos(QoS.OFFLINE).obj()
+
+
+@pytest.mark.parametrize(("node_name", "online_milli", "offline_held", "ask", "reason"), [
+    # online holds the whole card's compute (1000); the offline budget is a second 1000 on "co" only
+    ("co", 1000, 0, 300, None),
+    ("co", 1000, 0, 1000, None),
+    ("co", 1000, 700, 300, None),  # 1000 - 700 = 300 of the offline budget left
+    ("co", 1000, 700, 301, "card 0 lacks capacity"),
+    ("plain", 1000, 0, 300, "card 0 lacks capacity"),  # no budget of its own: 1000 - 1000 < 300
+    ("plain", 400, 300, 300, None),  # 1000 - 400 - 300 = 300 fits exactly
+    ("plain", 400, 300, 301, "card 0 lacks capacity"),
+])
+def test_offline_shares_count_against_their_own_budget(node_name: str, online_milli: int, offline_held: int,
+                                                       ask: int, reason: str | None) -> None:
+    state = _oversold_state()
+    state.place(frac_pod("online", online_milli), frac(node_name, 0, online_milli))
+    if offline_held:
+        state.place(_offline("held", offline_held), frac(node_name, 0, offline_held))
+    assert state.check(frac(node_name, 0, ask), _offline("off", ask)) == reason
+    assert state.check_invariants() == []
+
+
+def test_oversold_offline_share_leaves_online_compute_and_releases_exactly() -> None:
+    state = _oversold_state()
+    before = state.fingerprint()
+    state.place(_offline("off", 600), frac("co", 0, 600, 8000))
+    # the online compute is untouched (1000 free, no node milli used); the offline budget has 1000 - 600 = 400
+    assert (state.card_milli_free[0, 0], state.card_offline_free[0, 0], state.gpu_milli_used[0]) == (1000, 400, 0)
+    assert state.bindings["off"].oversold
+    assert state.check(frac("co", 0, 1000, 8000), frac_pod("online", 1000)) is None  # online still gets it all
+    # an online pod sees card_milli_free, an offline pod the offline budget
+    assert state.milli_free_for(frac_pod("x"), 0).tolist()[:1] == [1000]
+    assert state.milli_free_for(_offline("x", 1), 0).tolist()[:1] == [400]
+    assert state.milli_free_for(_offline("x", 1), 1).tolist()[:1] == [1000]  # "plain": card_milli_free
+    # a whole card is never oversold: the offline holder keeps it from being idle
+    assert state.check(whole("co", 0, state=state), pod("w").whole(1).obj()) == "card 0 is not idle"
+    state.release("off")
+    assert state.fingerprint() == before
+
+
+def test_pool_change_keeps_what_an_oversold_share_holds() -> None:
+    """A node that leaves the oversold pool (tidal lending) keeps its oversold offline pods on the budget
+    they were placed on; new offline pods there count against card_milli_free."""
+    state = _oversold_state()
+    state.place(frac_pod("online", 800), frac("co", 0, 800))
+    state.place(_offline("off", 500), frac("co", 0, 500))
+    state.update_node(node("co").gpus(1).obj())  # the default pool: no offline budget
+    assert state.check(frac("co", 0, 300), _offline("late", 300)) == "card 0 lacks capacity"  # 1000 - 800 = 200
+    assert state.check(frac("co", 0, 200), _offline("late", 200)) is None
+    state.release("off")
+    assert (state.card_milli_free[0, 0], state.card_offline_free[0, 0]) == (200, 1000)
+    assert state.check_invariants() == []

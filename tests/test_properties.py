@@ -18,6 +18,7 @@ from gpuplane.model import (
     MigSlice,
     PodRequest,
     PoolConfig,
+    QoS,
     WholeCards,
 )
 from gpuplane.port import Code
@@ -32,7 +33,8 @@ from gpuplane.scheduler.scoring import least_allocated, most_allocated
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-POOLS = {"dev": PoolConfig(memory_oversell=2.0)}
+# the T4s' pool oversells card memory, and offline pods' compute there has a budget of its own
+POOLS = {"dev": PoolConfig(memory_oversell=2.0, offline_compute_oversell=True)}
 MODELS = ("A100-40GB", "T4", "H100-80GB", "A30-24GB", "V100-16GB")
 # MIG profile IDs of the GA100 layout and of the A30 (IDs 14, 5 and 0 mean different slices on each).
 MIG_IDS = (19, 20, 15, 14, 9, 5, 0, 21, 6)
@@ -91,6 +93,7 @@ def requests(draw: st.DrawFn, *, models_required: bool = False) -> PodRequest:
         instance=draw(st.none() | st.integers(0, 3)),
         rdma_vfs=draw(st.sampled_from([0, 0, 0, 1, 2])),
         priority=draw(st.integers(0, 3)),
+        qos=draw(st.sampled_from(list(QoS))),
     )
 
 
@@ -132,6 +135,7 @@ def assert_accounting(state: ClusterState) -> None:
     cpu = np.zeros(n, np.int64)
     mem = np.zeros(n, np.int64)
     milli = np.zeros((n, width), np.int64)
+    offline_milli = np.zeros((n, width), np.int64)
     gmem = np.zeros((n, width), np.int64)
     enc = np.zeros((n, width), np.int64)
     dec = np.zeros((n, width), np.int64)
@@ -141,8 +145,11 @@ def assert_accounting(state: ClusterState) -> None:
         row = binding.node
         cpu[row] += binding.request.cpu_milli
         mem[row] += binding.request.memory_mib
+        # a fractional share of an offline pod on an offline-oversold node counts against the offline budget
+        assert binding.oversold == (binding.request.qos is QoS.OFFLINE and bool(state.offline_oversell[row]))
         for share in binding.assignment.cards:
-            milli[row, share.card] += share.compute_milli
+            budget = offline_milli if binding.oversold and not share.whole else milli
+            budget[row, share.card] += share.compute_milli
             gmem[row, share.card] += share.memory_mib
             enc[row, share.card] += share.encoders
             dec[row, share.card] += share.decoders
@@ -156,10 +163,11 @@ def assert_accounting(state: ClusterState) -> None:
     assert np.array_equal(state.mem_free[:n], state.mem_cap[:n] - mem)
     assert (cpu <= state.cpu_cap[:n]).all() and (mem <= state.mem_cap[:n]).all()
     # No card over capacity in any dimension.
-    assert (milli[valid] <= MILLI_PER_CARD).all()
+    assert (milli[valid] <= MILLI_PER_CARD).all() and (offline_milli[valid] <= MILLI_PER_CARD).all()
     assert (gmem <= state.card_mem_cap[:n]).all()
     assert (enc <= state.card_enc_cap[:n]).all() and (dec <= state.card_dec_cap[:n]).all()
     assert np.array_equal(state.card_milli_free[:n][valid], MILLI_PER_CARD - milli[valid])
+    assert np.array_equal(state.card_offline_free[:n][valid], MILLI_PER_CARD - offline_milli[valid])
     assert np.array_equal(state.card_mem_free[:n], state.card_mem_cap[:n] - gmem)
     assert np.array_equal(state.card_enc_free[:n], state.card_enc_cap[:n] - enc)
     assert np.array_equal(state.card_dec_free[:n], state.card_dec_cap[:n] - dec)

@@ -89,9 +89,15 @@ class _KeptRows:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    """Per-pool settings. `memory_oversell` > 1 lets dev pools promise more card memory than exists."""
+    """Per-pool settings. `memory_oversell` > 1 lets dev pools promise more card memory than exists.
+
+    `offline_compute_oversell`: fractional shares of offline pods (`QoS.OFFLINE`) count against a second
+    compute budget of one card per card, not against what online pods hold, so offline work is placed on the
+    compute online shares leave idle and runs only when the node's co-location guard lets it (online first);
+    card memory is never oversold this way."""
 
     memory_oversell: float = 1.0
+    offline_compute_oversell: bool = False
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.memory_oversell <= 16.0:
@@ -126,6 +132,9 @@ class Binding:
     request: PodRequest
     node: int
     assignment: Assignment
+    oversold: bool = False
+    """its fractional shares count against the cards' offline budget (`PoolConfig.offline_compute_oversell`
+    at placement), not against `card_milli_free`"""
 
 
 def _form_mismatch(request: PodRequest, assignment: Assignment, model: CardModel | None) -> str | None:
@@ -208,8 +217,11 @@ class ClusterState:
         self.node_version = np.zeros(n, np.int64)
         self.idle_cards = np.zeros(n, np.int64)
         self.rdma_max_free = np.zeros(n, np.int64)
+        self.offline_oversell = np.zeros(n, np.bool_)
         self.card_valid = np.zeros((n, c), np.bool_)
         self.card_milli_free = np.zeros((n, c), np.int64)
+        self.card_offline_free = np.zeros((n, c), np.int64)
+        """the offline compute budget left on each card (`PoolConfig.offline_compute_oversell`)"""
         self.card_mem_phys = np.zeros((n, c), np.int64)
         self.card_mem_cap = np.zeros((n, c), np.int64)
         self.card_mem_free = np.zeros((n, c), np.int64)
@@ -235,9 +247,10 @@ class ClusterState:
         self.card_foreign_dec = np.zeros((n, c), np.int64)
 
     _NODE_ARRAYS = ("cpu_cap", "cpu_free", "mem_cap", "mem_free", "model_idx", "schedulable", "gpu_milli_cap",
-                    "gpu_milli_used", "idle_cards", "rdma_max_free", "node_version")
-    _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_mem_phys", "card_mem_cap", "card_mem_free",
-                    "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders", "card_mig",
+                    "gpu_milli_used", "idle_cards", "rdma_max_free", "offline_oversell", "node_version")
+    _CARD_ARRAYS = ("card_valid", "card_milli_free", "card_offline_free", "card_mem_phys", "card_mem_cap",
+                    "card_mem_free", "card_enc_cap", "card_enc_free", "card_dec_cap", "card_dec_free", "card_holders",
+                    "card_mig",
                     "card_mig_pinned", "card_mig_allowed", "card_mig_slots", "card_mig_compute", "card_mig_me",
                     "card_whole", "card_online_milli", "card_foreign", "card_foreign_milli", "card_foreign_mem",
                     "card_foreign_enc", "card_foreign_dec")
@@ -362,7 +375,7 @@ class ClusterState:
         self.rdma_max_free[n] = max(self.nic_free[n], default=0)
         g = spec.gpus
         self.card_valid[n, :g] = True
-        self.card_milli_free[n, :g] = MILLI_PER_CARD
+        self.card_milli_free[n, :g] = self.card_offline_free[n, :g] = MILLI_PER_CARD
         if model is not None:
             self.card_mem_phys[n, :g] = model.memory_mib
             self.card_enc_cap[n, :g] = self.card_enc_free[n, :g] = model.encoders
@@ -385,7 +398,9 @@ class ClusterState:
 
     def _set_pool(self, n: int, pool: str) -> None:
         """Apply the pool's memory oversell to node n's cards. Refuses to shrink below promised memory."""
-        ratio = self.pools.get(pool, PoolConfig()).memory_oversell
+        config = self.pools.get(pool, PoolConfig())
+        self.offline_oversell[n] = config.offline_compute_oversell
+        ratio = config.memory_oversell
         g = self.nodes[n].gpus
         new_cap = (self.card_mem_phys[n, :g] * ratio).astype(np.int64)
         whole = self.card_whole[n, :g]
@@ -648,6 +663,22 @@ class ClusterState:
         return table
 
     # ---------------------------------------------------------------- placement
+    def oversold(self, n: int, request: PodRequest) -> bool:
+        """Whether `request`'s fractional shares on node row n would count against the offline budget."""
+        return request.qos is QoS.OFFLINE and bool(self.offline_oversell[n])
+
+    def milli_free_for(self, request: PodRequest, rows: RowIndex | int) -> IntArray:
+        """The card compute a fractional share of `request` may take on node rows `rows`: the offline budget
+        on the offline-oversold nodes for an offline pod, else `card_milli_free` (a view when no row differs)."""
+        free: IntArray = self.card_milli_free[rows]
+        if request.qos is not QoS.OFFLINE or not self.offline_oversell[: self.size].any():
+            return free
+        oversold = self.offline_oversell[rows]
+        if not oversold.any():
+            return free
+        out: IntArray = np.where(oversold[..., None], self.card_offline_free[rows], free)
+        return out
+
     def check(self, assignment: Assignment, request: PodRequest) -> str | None:
         """Why `assignment` cannot be applied now, or None if it fits."""
         n = self.node_index.get(assignment.node)
@@ -665,6 +696,7 @@ class ClusterState:
         if mismatch is not None:
             return mismatch
         seen: set[int] = set()
+        oversold = self.oversold(n, request)
         for share in assignment.cards:
             c = share.card
             if not 0 <= c < spec.gpus or c in seen:
@@ -685,7 +717,8 @@ class ClusterState:
                 return f"card {c} is not idle"
             if self.card_whole[n, c]:
                 return f"card {c} is held whole by another pod"
-            if (self.card_milli_free[n, c] < share.compute_milli or self.card_mem_free[n, c] < share.memory_mib
+            milli_free = self.card_offline_free if oversold and not share.whole else self.card_milli_free
+            if (milli_free[n, c] < share.compute_milli or self.card_mem_free[n, c] < share.memory_mib
                     or self.card_enc_free[n, c] < share.encoders or self.card_dec_free[n, c] < share.decoders):
                 return f"card {c} lacks capacity"
         if assignment.rdma is not None:
@@ -736,6 +769,7 @@ class ClusterState:
         self.mem_free[n] -= request.memory_mib
         workload = request.workload
         online = request.qos is QoS.ONLINE
+        oversold = self.oversold(n, request)
         for share in assignment.cards:
             c = share.card
             foreign = bool(self.card_foreign[n, c])
@@ -744,11 +778,14 @@ class ClusterState:
             if self.card_holders[n, c] == 0 and not self.card_mig[n, c]:
                 self.idle_cards[n] -= 1
             self.card_holders[n, c] += 1
-            self.card_milli_free[n, c] -= share.compute_milli
+            if oversold and not share.whole:
+                self.card_offline_free[n, c] -= share.compute_milli
+            else:
+                self.card_milli_free[n, c] -= share.compute_milli
+                self.gpu_milli_used[n] += share.compute_milli
             self.card_mem_free[n, c] -= share.memory_mib
             self.card_enc_free[n, c] -= share.encoders
             self.card_dec_free[n, c] -= share.decoders
-            self.gpu_milli_used[n] += share.compute_milli
             if online:
                 self.card_online_milli[n, c] += share.compute_milli
             if share.whole:
@@ -763,10 +800,12 @@ class ClusterState:
         if assignment.rdma is not None:
             self.nic_free[n][assignment.rdma.nic] -= assignment.rdma.vfs
             self.rdma_max_free[n] = max(self.nic_free[n])
-        binding = Binding(request, n, assignment)
+        binding = Binding(request, n, assignment, oversold)
         self.bindings[request.name] = binding
+        # the table's compute is what a pod holds of `card_milli_free` (what evicting it frees for online pods)
         self.pod_table.add(request.name, n, request.priority, request.cpu_milli, request.memory_mib, request.queue,
-                           [(s.card, s.compute_milli, int(self.card_mem_cap[n, s.card]) if s.whole else s.memory_mib,
+                           [(s.card, 0 if oversold and not s.whole else s.compute_milli,
+                             int(self.card_mem_cap[n, s.card]) if s.whole else s.memory_mib,
                              s.whole, s.mig_profile is not None) for s in assignment.cards])
         self.node_pods[n].add(request.name)
         self.node_version[n] += 1
@@ -799,11 +838,14 @@ class ClusterState:
             if foreign:
                 self._give_back_foreign(n, c)
             self.card_holders[n, c] -= 1
-            self.card_milli_free[n, c] += share.compute_milli
+            if binding.oversold and not share.whole:
+                self.card_offline_free[n, c] += share.compute_milli
+            else:
+                self.card_milli_free[n, c] += share.compute_milli
+                self.gpu_milli_used[n] -= share.compute_milli
             self.card_mem_free[n, c] += share.memory_mib
             self.card_enc_free[n, c] += share.encoders
             self.card_dec_free[n, c] += share.decoders
-            self.gpu_milli_used[n] -= share.compute_milli
             if request.qos is QoS.ONLINE:
                 self.card_online_milli[n, c] -= share.compute_milli
             if share.whole:
@@ -909,6 +951,7 @@ class ClusterState:
                 problems.append(f"node {label} out of range")
         card_pairs = (
             ("gpu compute", self.card_milli_free, np.where(valid, MILLI_PER_CARD, 0)),
+            ("offline gpu compute", self.card_offline_free, np.where(valid, MILLI_PER_CARD, 0)),
             ("gpu memory", self.card_mem_free, self.card_mem_cap),
             ("encoders", self.card_enc_free, self.card_enc_cap),
             ("decoders", self.card_dec_free, self.card_dec_cap),

@@ -300,6 +300,8 @@ class _Freed:
         """(cards that could take one share of `gpu`, their compute milli, memory and the memory it needs)."""
         state, shares = self.state, self.state.pod_table.shares
         n, width = state.size, state.width
+        # compute of `card_milli_free` (the table holds 0 for an offline-oversold share, which frees none of it):
+        # an offline preemptor on an offline-oversold node is screened against it too, a conservative screen
         milli = state.card_milli_free[:n] + self._per_card(shares.milli[self._srows])
         memory = state.card_mem_free[:n] + self._per_card(shares.mem[self._srows])
         need_mem = state.card_mem_phys[:n] * gpu.memory_pct // 100 if gpu.memory_pct else \

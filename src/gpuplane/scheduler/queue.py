@@ -212,7 +212,7 @@ class SchedulingQueue:
         fraction = (milli > 0) | (gpu_mem > 0)
         if fraction.any():
             plain = state.card_valid[node] & ~state.card_mig[node] & ~state.card_whole[node]
-            free_milli = state.card_milli_free[node][plain]
+            free_milli = _milli_bound(state, node)[plain]
             free_mem = state.card_mem_free[node][plain]
             per_card = np.full((len(groups), len(free_milli)), _UNBOUNDED, np.int64)
             by_milli = free_milli[None, :] // np.maximum(milli, 1)[:, None]
@@ -304,6 +304,15 @@ def static_nodes(state: ClusterState, request: PodRequest) -> npt.NDArray[np.boo
     return mask
 
 
+def _milli_bound(state: ClusterState, node: int) -> np.ndarray:
+    """Per card, the most compute a fractional pod of any class may take now (an offline pod on an
+    offline-oversold node takes the offline budget, `ClusterState.milli_free_for`)."""
+    free: np.ndarray = state.card_milli_free[node]
+    if state.offline_oversell[node]:
+        free = np.maximum(free, state.card_offline_free[node])
+    return free
+
+
 class _Budget:
     """A node's free capacity, consumed as parked pods are reactivated against it."""
 
@@ -312,7 +321,7 @@ class _Budget:
         self.mem = int(state.mem_free[node])
         self.idle = int(state.idle_cards[node])
         plain = state.card_valid[node] & ~state.card_mig[node] & ~state.card_whole[node]
-        self.cards = [[int(m), int(g)] for m, g in zip(state.card_milli_free[node][plain],
+        self.cards = [[int(m), int(g)] for m, g in zip(_milli_bound(state, node)[plain],
                                                         state.card_mem_free[node][plain], strict=True)]
         self.unbounded_taken: set[int] = set()
 

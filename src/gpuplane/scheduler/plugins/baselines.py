@@ -59,7 +59,8 @@ class RandomCardPicker:
         gpu = pod.gpu
         cards = np.flatnonzero(eligible)
         if isinstance(gpu, Fraction) and len(cards):
-            fitting = [int(c) for c in cards if state.card_milli_free[node, c] >= gpu.compute_milli]
+            free = state.milli_free_for(pod, node)
+            fitting = [int(c) for c in cards if free[c] >= gpu.compute_milli]
             if len(fitting) < gpu.count:
                 return None
             only = np.zeros_like(eligible)

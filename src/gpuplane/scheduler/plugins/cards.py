@@ -31,7 +31,7 @@ from gpuplane.model import (
     RdmaShare,
     WholeCards,
 )
-from gpuplane.scheduler.framework import NEAR_CARDS, BoolArray, CardCheck, CardPick, Check, CycleState
+from gpuplane.scheduler.framework import NEAR_CARDS, BoolArray, CardCheck, CardPick, Check, CycleState, IntArray
 
 
 class CardOrder(enum.Enum):
@@ -62,7 +62,7 @@ class OrderedCardPicker:
                                      int(state.card_enc_cap[node, c]), int(state.card_dec_cap[node, c]), whole=True)
                            for c in chosen)
         elif isinstance(gpu, Fraction):
-            fractions = self.fractions(state, node, cards, gpu)
+            fractions = self.fractions(state, node, cards, gpu, state.milli_free_for(pod, node))
             if fractions is None:
                 return None
             shares = fractions
@@ -79,17 +79,20 @@ class OrderedCardPicker:
         return CardPick(shares, rdma)
 
     # ------------------------------------------------------------------ fractions
-    def fractions(self, state: ClusterState, node: int, cards: Sequence[int],
-                  gpu: Fraction) -> tuple[CardShare, ...] | None:
+    def fractions(self, state: ClusterState, node: int, cards: Sequence[int], gpu: Fraction,
+                  milli_free: IntArray | None = None) -> tuple[CardShare, ...] | None:
         """`gpu.count` distinct cards, each taking the share: the first by the order (packing: least left after
-        the share, compute then memory, then index; spreading: most left), or None when fewer cards fit."""
+        the share, compute then memory, then index; spreading: most left), or None when fewer cards fit.
+        `milli_free`: the node's card compute the pod may take (`ClusterState.milli_free_for`; default the
+        cards' `card_milli_free`)."""
         sign = 1 if self.order is CardOrder.PACK else -1
+        free = state.card_milli_free[node] if milli_free is None else milli_free
         ranked: list[tuple[int, int, int, int]] = []
         for c in cards:
             memory = gpu.memory_on(int(state.card_mem_phys[node, c]))
-            if state.card_mem_free[node, c] < memory or state.card_milli_free[node, c] < gpu.compute_milli:
+            if state.card_mem_free[node, c] < memory or free[c] < gpu.compute_milli:
                 continue
-            ranked.append((sign * int(state.card_milli_free[node, c] - gpu.compute_milli),
+            ranked.append((sign * int(free[c] - gpu.compute_milli),
                            sign * int(state.card_mem_free[node, c] - memory), c, memory))
         if len(ranked) < gpu.count:
             return None

@@ -89,7 +89,7 @@ def card_costs(pod: PodRequest, state: ClusterState, nodes: IntArray,
     assert isinstance(gpu, Fraction)
     phys = state.card_mem_phys[nodes]
     memory = phys * gpu.memory_pct // 100 if gpu.memory_pct else np.full_like(phys, gpu.memory_mib)
-    milli_left = state.card_milli_free[nodes] - gpu.compute_milli
+    milli_left = state.milli_free_for(pod, nodes) - gpu.compute_milli
     mem_left = state.card_mem_free[nodes] - memory
     fits = (state.card_valid[nodes] & ~state.card_mig[nodes] & ~state.card_whole[nodes]
             & (milli_left >= 0) & (mem_left >= 0)
@@ -132,7 +132,7 @@ class ColocationCardPicker(OrderedCardPicker):
         costs = np.where(eligible, costs, np.inf)
         if int(np.isfinite(costs).sum()) < gpu.count:
             return None
-        order = np.lexsort((np.arange(len(costs)), state.card_milli_free[node, : len(costs)], costs))
+        order = np.lexsort((np.arange(len(costs)), state.milli_free_for(pod, node)[: len(costs)], costs))
         chosen = sorted(int(c) for c in order[: gpu.count])  # a share on several cards: the cheapest ones
         return CardPick(tuple(CardShare(c, gpu.compute_milli, gpu.memory_on(int(state.card_mem_phys[node, c])),
                                         gpu.encoders, gpu.decoders) for c in chosen))

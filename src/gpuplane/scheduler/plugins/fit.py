@@ -12,7 +12,7 @@ from functools import partial
 
 import numpy as np
 
-from gpuplane.model import ClusterState, Fraction, MigSlice, PodRequest, WholeCards
+from gpuplane.model import ClusterState, Fraction, MigSlice, PodRequest, QoS, WholeCards
 from gpuplane.model.cluster import RowIndex
 from gpuplane.scheduler.framework import BoolArray, CardCheck, Check, CycleState, NodeCheck
 
@@ -88,8 +88,10 @@ class GpuFit:
         elif isinstance(gpu, Fraction):
             yield CardCheck(CARDS_IN_MIG_MODE, state.node_mask(_NOT_MIG, partial(_not_mig, state)))
             if gpu.compute_milli:
+                offline = pod.qos is QoS.OFFLINE and bool(state.offline_oversell[: state.size].any())
                 yield CardCheck(INSUFFICIENT_GPU_COMPUTE, state.node_mask(
-                    (_COMPUTE, gpu.compute_milli), partial(_compute_at_least, state, gpu.compute_milli)))
+                    (_COMPUTE, gpu.compute_milli, offline), partial(_compute_at_least, state, gpu.compute_milli,
+                                                                    pod if offline else None)))
             if gpu.memory_mib:
                 yield CardCheck(INSUFFICIENT_GPU_MEMORY, state.node_mask(
                     (_MEMORY, gpu.memory_mib), partial(_memory_at_least, state, gpu.memory_mib)))
@@ -147,8 +149,10 @@ def _not_mig(state: ClusterState, rows: RowIndex) -> BoolArray:
     return out
 
 
-def _compute_at_least(state: ClusterState, milli: int, rows: RowIndex) -> BoolArray:
-    out: BoolArray = state.card_milli_free[rows] >= milli
+def _compute_at_least(state: ClusterState, milli: int, offline: PodRequest | None, rows: RowIndex) -> BoolArray:
+    """Cards with `milli` compute free; for an offline pod, of the offline budget on oversold nodes."""
+    free = state.card_milli_free[rows] if offline is None else state.milli_free_for(offline, rows)
+    out: BoolArray = free >= milli
     return out
 
 
